@@ -1,0 +1,78 @@
+"""The backend protocol: a decoder graph that owns a preallocated KV buffer.
+
+A ``KVCache`` holds the K/V of ``length`` committed positions. ``forward`` writes the K/V of
+the new tokens at positions ``length .. length+S-1`` and returns their logits (and hidden
+states); it does not commit them. The caller commits what it keeps and so rolls back by
+never committing the rest: positions past ``length`` are overwritten by the next forward.
+Backends know nothing about tokenization, sampling or speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..errors import BackendError
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """How to open a session. ``providers`` are ONNX Runtime execution provider names in
+    priority order; ``fallback_to_cpu`` allows (logged) use of the CPU provider when a
+    requested one is unavailable, otherwise that is an error."""
+
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    provider_options: tuple[dict, ...] = ()
+    intra_op_threads: int | None = None
+    allow_spinning: bool = True
+    max_context: int = 2048
+    fallback_to_cpu: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_context < 2:
+            raise BackendError(f"max_context must be >= 2, got {self.max_context}")
+        if self.intra_op_threads is not None and self.intra_op_threads < 1:
+            raise BackendError(f"intra_op_threads must be >= 1 or None, got {self.intra_op_threads}")
+
+
+@dataclass
+class ForwardOutput:
+    logits: np.ndarray  # [S, V] float32
+    hidden: np.ndarray | None  # [S, H * len(hidden_state_layers)] float32, or None
+
+
+class KVCache:
+    """Bookkeeping of a preallocated KV buffer: ``length`` committed positions of ``capacity``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.length = 0
+
+    def commit(self, n: int) -> None:
+        """Keep ``n`` more positions (written by the last forward)."""
+        if n < 0 or self.length + n > self.capacity:
+            raise BackendError(f"cannot commit {n} positions at length {self.length} of {self.capacity}")
+        self.length += n
+
+    def rollback(self, length: int) -> None:
+        """Forget every position at or after ``length``."""
+        if not 0 <= length <= self.length:
+            raise BackendError(f"cannot roll back to {length}: only {self.length} positions are committed")
+        self.length = length
+
+    def reset(self) -> None:
+        self.length = 0
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.length
+
+
+class DecoderSession(Protocol):
+    capacity: int
+
+    def new_cache(self) -> KVCache: ...
+
+    def forward(self, cache: KVCache, ids: np.ndarray) -> ForwardOutput: ...

@@ -1,0 +1,152 @@
+"""ONNX Runtime decoder: one session per graph file, used at every width (weights shared).
+
+The graph's past and present KV are one preallocated buffer per layer ([1, kv_heads,
+capacity, head_dim]) bound as both input and output with IOBinding, so a step copies no
+cache. Outputs are written into preallocated numpy arrays (one set per width), so the
+Python work per step is a few binding calls.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..errors import BackendError, EngineError
+from ..manifest import GraphIO, ModelInfo
+from .base import BackendOptions, ForwardOutput, KVCache
+
+log = logging.getLogger(__name__)
+
+_MAX_CACHED_WIDTH = 64  # output buffers of wider calls (prefill chunks) are not kept
+
+
+def _import_ort():
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise BackendError("onnxruntime is not installed: install dspark-edge[cpu] "
+                           "(or dspark-edge[gpu] for onnxruntime-gpu, never both)") from exc
+    return ort
+
+
+def resolve_providers(options: BackendOptions) -> tuple[list[str], list[dict]]:
+    """The providers to request, checked against this onnxruntime build."""
+    ort = _import_ort()
+    available = ort.get_available_providers()
+    opts = list(options.provider_options) or [{} for _ in options.providers]
+    if len(opts) != len(options.providers):
+        raise BackendError(f"provider_options has {len(opts)} entries for {len(options.providers)} providers")
+    chosen, chosen_opts = [], []
+    for name, o in zip(options.providers, opts):
+        if name in available:
+            chosen.append(name)
+            chosen_opts.append(o)
+        elif options.fallback_to_cpu:
+            log.warning("execution provider %s is not available in this onnxruntime build (available: %s); "
+                        "falling back as configured", name, ", ".join(available))
+        else:
+            raise BackendError(
+                f"execution provider {name} is not available in this onnxruntime build "
+                f"(available: {', '.join(available)}). Install the build that has it (dspark-edge[gpu] "
+                "for CUDA/TensorRT providers), pick another provider, or set fallback_to_cpu=True")
+    if not chosen or (options.fallback_to_cpu and "CPUExecutionProvider" not in chosen):
+        chosen.append("CPUExecutionProvider")
+        chosen_opts.append({})
+    return chosen, chosen_opts
+
+
+class OrtKVCache(KVCache):
+    def __init__(self, capacity: int, buffers: list, binding) -> None:
+        super().__init__(capacity)
+        self.buffers = buffers  # OrtValues, kept alive while bound
+        self.binding = binding
+
+
+class OrtDecoder:
+    """A decoder graph in an ONNX Runtime session (see module docstring)."""
+
+    def __init__(self, path: str, io: GraphIO, model: ModelInfo, options: BackendOptions,
+                 hidden_width: int = 0) -> None:
+        ort = _import_ort()
+        self.path, self.io, self.model, self.options = path, io, model, options
+        so = ort.SessionOptions()
+        if options.intra_op_threads is not None:
+            so.intra_op_num_threads = options.intra_op_threads
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.allow_spinning else "0")
+        so.log_severity_level = 3
+        providers, provider_options = resolve_providers(options)
+        try:
+            self.session = ort.InferenceSession(path, so, providers=providers, provider_options=provider_options)
+        except Exception as exc:  # onnxruntime raises several unrelated types here
+            raise EngineError(f"onnxruntime could not load {path}: {exc}. The file may be truncated or "
+                              "corrupted, or need a newer onnxruntime; re-export the engine folder") from exc
+        self.providers = tuple(self.session.get_providers())
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        outputs = {o.name for o in self.session.get_outputs()}
+        needed_in = [io.input_ids, io.attention_mask] + [
+            getattr(io, k).format(layer=i) for i in range(model.num_layers) for k in ("past_key", "past_value")]
+        needed_out = [io.logits] + [
+            getattr(io, k).format(layer=i) for i in range(model.num_layers) for k in ("present_key", "present_value")]
+        missing = [n for n in needed_in if n not in inputs] + [n for n in needed_out if n not in outputs]
+        if io.hidden_states and io.hidden_states not in outputs:
+            missing.append(io.hidden_states)
+        if missing:
+            raise EngineError(f"{path} does not have the inputs/outputs its manifest names: missing "
+                              f"{missing[:4]}{'…' if len(missing) > 4 else ''}; re-export the engine folder")
+        kv_type = inputs[io.past_key.format(layer=0)].type
+        self.kv_dtype = {"tensor(float)": np.float32, "tensor(float16)": np.float16}.get(kv_type)
+        if self.kv_dtype is None:
+            raise EngineError(f"{path}: unsupported KV cache type {kv_type}")
+        self.capacity = min(options.max_context, model.max_position_embeddings)
+        self._ones = np.ones((1, self.capacity), dtype=np.int64)
+        self._outputs: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+        self._hidden_width = hidden_width if io.hidden_states else 0
+        log.info("opened %s on %s (KV capacity %d)", path, ",".join(self.providers), self.capacity)
+
+    def new_cache(self) -> OrtKVCache:
+        ort = _import_ort()
+        m, io = self.model, self.io
+        shape = (1, m.num_kv_heads, self.capacity, m.head_dim)
+        binding = self.session.io_binding()
+        buffers = []
+        for layer in range(m.num_layers):
+            for past, present in ((io.past_key, io.present_key), (io.past_value, io.present_value)):
+                value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self.kv_dtype))
+                binding.bind_ortvalue_input(past.format(layer=layer), value)
+                binding.bind_ortvalue_output(present.format(layer=layer), value)
+                buffers.append(value)
+        return OrtKVCache(self.capacity, buffers, binding)
+
+    def _output_buffers(self, width: int) -> tuple[np.ndarray, np.ndarray | None]:
+        bufs = self._outputs.get(width)
+        if bufs is None:
+            logits = np.empty((1, width, self.model.vocab_size), dtype=np.float32)
+            hidden = None
+            if self._hidden_width:
+                hidden = np.empty((1, width, self._hidden_width), dtype=np.float32)
+            bufs = (logits, hidden)
+            if width <= _MAX_CACHED_WIDTH:
+                self._outputs[width] = bufs
+        return bufs
+
+    def forward(self, cache: OrtKVCache, ids: np.ndarray) -> ForwardOutput:
+        """Run ``ids`` ([S] int64) after ``cache.length`` committed positions (nothing is committed)."""
+        width = int(ids.shape[0])
+        total = cache.length + width
+        if width < 1 or total > cache.capacity:
+            raise BackendError(f"cannot run {width} new tokens after {cache.length} of {cache.capacity} "
+                               "KV positions: the context is full (raise max_context when loading)")
+        b, io = cache.binding, self.io
+        b.bind_cpu_input(io.input_ids, ids.reshape(1, width))
+        b.bind_cpu_input(io.attention_mask, self._ones[:, :total])
+        logits, hidden = self._output_buffers(width)
+        b.bind_output(io.logits, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        if hidden is not None:
+            b.bind_output(io.hidden_states, "cpu", 0, np.float32, list(hidden.shape), hidden.ctypes.data)
+        try:
+            self.session.run_with_iobinding(b)
+        except Exception as exc:
+            raise BackendError(f"onnxruntime failed running {self.path} at width {width}, "
+                               f"past length {cache.length}: {exc}") from exc
+        return ForwardOutput(logits[0], None if hidden is None else hidden[0])

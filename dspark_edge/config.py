@@ -1,0 +1,103 @@
+"""What a caller asks of a generation and what it gets back (frozen, JSON-friendly)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import ConfigError
+
+StopReason = Literal["eos", "stop_string", "max_new_tokens", "context_full", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Sampling and stopping. ``temperature == 0`` is greedy (seed-independent).
+
+    top_k = 0 and top_p = 1 disable those filters. ``stop`` strings end the text before the
+    match; ``stop_token_ids`` add to the model's own end-of-turn ids. ``context_policy``:
+    "error" rejects a prompt that does not fit the context, "truncate" keeps its tail.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    context_policy: Literal["error", "truncate"] = "error"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ConfigError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ConfigError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.context_policy not in ("error", "truncate"):
+            raise ConfigError(f"context_policy must be 'error' or 'truncate', got {self.context_policy!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Timing and counts of one generation. ``rounds`` are target passes after the prefill;
+    ``widths`` counts how often each verify width ran."""
+
+    prompt_tokens: int
+    new_tokens: int
+    prompt_truncated: int
+    prefill_s: float
+    decode_s: float
+    rounds: int
+    widths: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of decoding; the first token comes from the prefill."""
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 and self.new_tokens > 1 else 0.0
+
+    @property
+    def tokens_per_s_with_prefill(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+            "prompt_truncated": self.prompt_truncated, "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s, "total_s": self.total_s, "rounds": self.rounds,
+            "widths": dict(self.widths), "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_with_prefill": self.tokens_per_s_with_prefill,
+        }
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: tuple[int, ...]
+    stop_reason: StopReason
+    stats: GenerationStats
+    error: str | None = None

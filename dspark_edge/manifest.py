@@ -1,0 +1,263 @@
+"""manifest.json: the single contract between the exporter and the runtime.
+
+An engine folder holds graphs, tokenizer files and ``manifest.json``. The manifest names
+every file with its sha256, the model's shape, the tokenizer's special ids, the graph's
+input/output names, the hidden layers the target exposes to drafters, the fixed-width
+variants, and the exporter's validation results. A variant's identity comes from here,
+never from parsing file names. This module knows nothing about inference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from .errors import EngineError, ManifestError
+from .jsonschema import from_json_dict, to_json_dict
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+Precision = Literal["fp32", "fp16", "int8", "int4"]
+Role = Literal["target", "drafter", "draft_model"]
+Backend = Literal["onnxruntime", "tensorrt"]
+PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # relative to the engine folder, "/"-separated
+    sha256: str
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.path.startswith("/") or ".." in self.path.split("/"):
+            raise ValueError(f"file path {self.path!r} must stay inside the engine folder")
+        if len(self.sha256) != 64:
+            raise ValueError(f"sha256 of {self.path!r} must be 64 hex digits")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    source: str
+    source_sha256: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                    "max_position_embeddings"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    file: str
+    chat_template_file: str | None
+    bos_id: int | None
+    eos_ids: tuple[int, ...]
+    pad_id: int | None
+    add_bos: bool
+
+    def __post_init__(self) -> None:
+        if not self.eos_ids:
+            raise ValueError("eos_ids must name at least one end-of-generation token id")
+        if self.add_bos and self.bos_id is None:
+            raise ValueError("add_bos is true but bos_id is null")
+
+
+@dataclass(frozen=True)
+class GraphIO:
+    """Tensor names of a decoder graph; ``{layer}`` stands for the layer index."""
+
+    input_ids: str
+    attention_mask: str
+    past_key: str
+    past_value: str
+    present_key: str
+    present_value: str
+    logits: str
+    hidden_states: str | None
+    kv_layout: Literal["shared_buffer"]  # past and present are one preallocated buffer
+
+    def __post_init__(self) -> None:
+        for key in ("past_key", "past_value", "present_key", "present_value"):
+            if "{layer}" not in getattr(self, key):
+                raise ValueError(f"{key} {getattr(self, key)!r} must contain '{{layer}}'")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One fixed-width way to run a graph: ``width`` new tokens per target pass (verify width)
+    or the drafter's block size. Variants naming the same file share one session and its weights."""
+
+    role: Role
+    width: int
+    precision: Precision
+    backend: Backend
+    file: str
+
+    def __post_init__(self) -> None:
+        if self.width < 1:
+            raise ValueError(f"width must be >= 1, got {self.width}")
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """Exported graph vs the PyTorch reference, measured by the exporter."""
+
+    precision: Precision
+    prompts: int
+    max_abs_logit_diff: float
+    max_abs_hidden_diff: float
+    greedy_tokens_compared: int
+    greedy_tokens_matched: int  # greedy tokens equal to the reference before the first divergence
+    teacher_forced_top1: float  # share of reference-continuation positions with the same argmax
+    passed: bool
+
+
+@dataclass(frozen=True)
+class Manifest:
+    schema_version: int
+    created_utc: str
+    exporter: dict[str, str]
+    model: ModelInfo
+    tokenizer: TokenizerInfo
+    io: GraphIO
+    hidden_state_layers: tuple[int, ...]
+    variants: tuple[Variant, ...]
+    files: tuple[FileEntry, ...]
+    validation: tuple[ValidationResult, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.schema_version > SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version {self.schema_version} is newer than this dspark_edge understands "
+                f"({SCHEMA_VERSION}): upgrade dspark_edge or re-export with this version")
+        if self.schema_version < 1:
+            raise ValueError(f"schema_version must be >= 1, got {self.schema_version}")
+        n = self.model.num_layers
+        for layer in self.hidden_state_layers:
+            if not 1 <= layer < n:
+                raise ValueError(f"hidden_state_layers entry {layer} outside [1, {n}) "
+                                 "(index i is the residual stream entering layer i; the final layer is never exposed)")
+        if self.hidden_state_layers and self.io.hidden_states is None:
+            raise ValueError("hidden_state_layers is set but io.hidden_states names no output")
+        paths = [f.path for f in self.files]
+        if len(set(paths)) != len(paths):
+            raise ValueError("files lists a path twice")
+        known = set(paths)
+        seen = set()
+        for v in self.variants:
+            if v.file not in known:
+                raise ValueError(f"variant {v.role}/{v.precision}/w{v.width} names file {v.file!r} "
+                                 "that is not listed in files")
+            key = (v.role, v.precision, v.backend, v.width)
+            if key in seen:
+                raise ValueError(f"variant {key} is listed twice")
+            seen.add(key)
+        if self.tokenizer.file not in known:
+            raise ValueError(f"tokenizer file {self.tokenizer.file!r} is not listed in files")
+
+    # -- queries -------------------------------------------------------------------------
+    def variants_for(self, role: str, precision: str | None = None, backend: str | None = None) -> list[Variant]:
+        return [v for v in self.variants if v.role == role
+                and (precision is None or v.precision == precision)
+                and (backend is None or v.backend == backend)]
+
+    def precisions(self, role: str = "target") -> list[str]:
+        present = {v.precision for v in self.variants if v.role == role}
+        return [p for p in PRECISIONS if p in present]
+
+    def widths(self, role: str, precision: str) -> tuple[int, ...]:
+        return tuple(sorted(v.width for v in self.variants_for(role, precision)))
+
+    def file_entry(self, path: str) -> FileEntry:
+        for f in self.files:
+            if f.path == path:
+                return f
+        raise KeyError(path)
+
+    # -- JSON ------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(to_json_dict(self), indent=2, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str = MANIFEST_NAME) -> "Manifest":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{where}: not valid JSON ({exc}); re-export the engine folder") from exc
+        if isinstance(data, dict) and isinstance(data.get("schema_version"), int) \
+                and data["schema_version"] > SCHEMA_VERSION:
+            raise ManifestError(
+                f"{where}: schema_version {data['schema_version']} is newer than this dspark_edge "
+                f"understands ({SCHEMA_VERSION}); upgrade dspark_edge or re-export with this version")
+        return from_json_dict(cls, data, where)
+
+
+def read_manifest(engine_dir: str | os.PathLike) -> Manifest:
+    """Read and validate ``engine_dir/manifest.json`` (files are checked by ``verify_files``)."""
+    engine_dir = Path(engine_dir)
+    if not engine_dir.is_dir():
+        raise EngineError(f"engine folder {engine_dir} does not exist; build one with "
+                          f"`python -m export target --source default --output {engine_dir}`")
+    path = engine_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise ManifestError(f"{path} is missing: {engine_dir} is not an engine folder "
+                            "(or its export did not finish); re-run `python -m export target`")
+    return Manifest.from_json(path.read_text(encoding="utf-8"), str(path))
+
+
+def write_manifest(manifest: Manifest, engine_dir: str | os.PathLike) -> Path:
+    """Write manifest.json atomically (temp file + rename)."""
+    path = Path(engine_dir) / MANIFEST_NAME
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(manifest.to_json(), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_entry(engine_dir: str | os.PathLike, rel: str) -> FileEntry:
+    path = Path(engine_dir) / rel
+    return FileEntry(path=rel, sha256=sha256_file(path), size=path.stat().st_size)
+
+
+def verify_files(manifest: Manifest, engine_dir: str | os.PathLike, paths: list[str] | None = None,
+                 check_hashes: bool = True) -> None:
+    """Check that the listed files exist with the recorded size (and sha256)."""
+    engine_dir = Path(engine_dir)
+    wanted = manifest.files if paths is None else [manifest.file_entry(p) for p in paths]
+    for entry in wanted:
+        path = engine_dir / entry.path
+        if not path.is_file():
+            raise EngineError(f"{path} is missing (listed in {MANIFEST_NAME}); re-export the engine folder")
+        size = path.stat().st_size
+        if size != entry.size:
+            raise EngineError(f"{path} has {size} bytes but {MANIFEST_NAME} records {entry.size}: "
+                              "the file is truncated or was replaced; re-export the engine folder")
+        if check_hashes:
+            digest = sha256_file(path)
+            if digest != entry.sha256:
+                raise EngineError(f"{path} sha256 {digest[:12]}… does not match {MANIFEST_NAME} "
+                                  f"({entry.sha256[:12]}…): the file is corrupted or was replaced; re-export it")

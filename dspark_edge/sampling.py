@@ -1,0 +1,52 @@
+"""Choosing a token from logits: greedy, or sampling after temperature, top-k and top-p.
+
+Pure functions; every random draw takes an explicit ``numpy.random.Generator``. The same
+``probs`` function will turn target and draft logits into p and q for verification, so
+both see identical filtering.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """The sampling distribution for ``logits`` ([V]) as float64 summing to 1.
+
+    temperature > 0; top_k = 0 and top_p = 1 disable those filters. Filtered-out tokens get
+    probability exactly 0.
+    """
+    z = logits.astype(np.float64) / temperature
+    vocab = z.shape[-1]
+    if 0 < top_k < vocab:
+        kth = np.partition(z, vocab - top_k)[vocab - top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    z -= z.max()
+    p = np.exp(z)
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        keep = int(np.searchsorted(cum, top_p, side="left")) + 1  # smallest prefix with mass >= top_p
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[:keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from the distribution ``p`` ([V], sums to 1)."""
+    u = rng.random()
+    idx = int(np.searchsorted(np.cumsum(p), u * p.sum(), side="right"))
+    if idx >= p.shape[0]:  # u*sum rounding past the last bucket
+        idx = int(np.flatnonzero(p)[-1])
+    return idx
+
+
+def choose(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+           rng: np.random.Generator) -> int:
+    """Greedy when ``temperature == 0``, else a sample from ``probs``."""
+    if temperature == 0.0:
+        return int(np.argmax(logits))
+    return sample(probs(logits, temperature, top_k, top_p), rng)

@@ -1,0 +1,76 @@
+"""The target model: one precision's graph opened once and run at the widths the manifest lists.
+
+``step`` runs exactly a listed verify width (an unlisted width is an error, never clamped);
+``prefill`` runs the prompt in chunks so a long prompt never materialises [S, V] logits at
+once. Knows nothing about tokenization or sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from .backends import BackendOptions, ForwardOutput, KVCache, create_decoder
+from .errors import ConfigError, EngineError
+from .manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 128
+
+
+class TargetModel:
+    def __init__(self, manifest: Manifest, engine_dir: str | Path, precision: str | None = None,
+                 backend: str = "onnxruntime", options: BackendOptions | None = None) -> None:
+        available = manifest.precisions("target")
+        if not available:
+            raise EngineError(f"{engine_dir}: the manifest lists no target variant")
+        if precision is None:
+            precision = available[0]
+        if precision not in available:
+            raise ConfigError(f"precision {precision!r} is not in this engine (it has {available}); "
+                              f"export it with `python -m export target --precisions {precision}`")
+        variants = manifest.variants_for("target", precision, backend)
+        if not variants:
+            raise ConfigError(f"no {backend} target variant at precision {precision}; "
+                              f"backends present: {sorted({v.backend for v in manifest.variants_for('target', precision)})}")
+        files = {v.file for v in variants}
+        if len(files) != 1:
+            raise EngineError(f"{precision} target variants name several graph files {sorted(files)}; "
+                              "this runtime expects one graph used at every width")
+        self.manifest = manifest
+        self.precision = precision
+        self.backend = backend
+        self.file = files.pop()
+        self.widths = tuple(sorted(v.width for v in variants))
+        self.options = options or BackendOptions()
+        hidden_width = manifest.model.hidden_size * len(manifest.hidden_state_layers)
+        self.session = create_decoder(backend, str(Path(engine_dir) / self.file), manifest.io, manifest.model,
+                                      self.options, hidden_width)
+        self.capacity = self.session.capacity
+
+    def new_cache(self) -> KVCache:
+        return self.session.new_cache()
+
+    def step(self, cache: KVCache, ids: np.ndarray) -> ForwardOutput:
+        """Run ``ids`` ([w] int64, w a listed width) after the committed positions; commits nothing.
+
+        The returned arrays are reused by the next call of the same width: copy what you keep.
+        """
+        if ids.shape[0] not in self.widths:
+            raise ConfigError(f"width {ids.shape[0]} is not a listed {self.precision} verify width "
+                              f"{self.widths}; pick one of those")
+        return self.session.forward(cache, ids)
+
+    def prefill(self, cache: KVCache, ids: np.ndarray, chunk: int = PREFILL_CHUNK) -> ForwardOutput:
+        """Run and commit all of ``ids``; returns the last chunk's output."""
+        out = None
+        for start in range(0, ids.shape[0], chunk):
+            part = ids[start:start + chunk]
+            out = self.session.forward(cache, part)
+            cache.commit(part.shape[0])
+        if out is None:
+            raise ConfigError("prefill needs at least one token")
+        return out

@@ -1,0 +1,66 @@
+"""An engine folder is never left half-written: build in a hidden sibling, rename into place.
+
+``staging(output)`` yields a fresh ``.<name>.partial-<pid>`` folder next to ``output``; on
+success ``publish`` swaps it in (an existing folder is moved aside first and removed after),
+on any failure the staging folder is removed. A process killed mid-export leaves only a
+hidden partial folder, which the next export in that parent folder removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_partials(output: Path) -> None:
+    """Remove ``.<name>.partial-<pid>`` / ``.old-<pid>`` folders left by dead exports."""
+    for kind in ("partial", "old"):
+        for path in output.parent.glob(f".{output.name}.{kind}-*"):
+            try:
+                pid = int(path.name.rsplit("-", 1)[1])
+            except ValueError:
+                continue
+            if not _pid_alive(pid):
+                log.info("removing %s left by an interrupted export", path)
+                shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staging(output: Path) -> Iterator[Path]:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(output)
+    stage = output.parent / f".{output.name}.partial-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def publish(stage: Path, output: Path) -> None:
+    """Move the finished ``stage`` to ``output``, replacing what was there."""
+    old = None
+    if output.exists():
+        old = output.parent / f".{output.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(output, old)
+    os.replace(stage, output)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

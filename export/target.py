@@ -1,0 +1,210 @@
+"""``python -m export target``: a source model → an engine folder with target graphs.
+
+Plan (validate options and source) → stage in a hidden sibling folder → load the FP32
+PyTorch model → build one fused decoder graph per precision with onnxruntime-genai's model
+builder (GroupQueryAttention, one shared past/present KV buffer, ``aux_hidden_states`` for
+the drafter) → write tokenizer files → validate every graph against PyTorch → write
+manifest.json last → rename into place. Any failure removes the staging folder.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from dspark_edge.errors import ExportError
+from dspark_edge.manifest import (GraphIO, Manifest, ModelInfo, SCHEMA_VERSION, Variant, file_entry,
+                                  write_manifest)
+
+from .atomic import publish, staging
+from .sources import Source, load_source, resolve_source, source_digest
+
+log = logging.getLogger(__name__)
+
+TARGET_PRECISIONS = ("fp32", "int8", "int4")
+DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8)
+MAX_WIDTH = 64
+GRAPH_IO = GraphIO(input_ids="input_ids", attention_mask="attention_mask",
+                   past_key="past_key_values.{layer}.key", past_value="past_key_values.{layer}.value",
+                   present_key="present.{layer}.key", present_value="present.{layer}.value",
+                   logits="logits", hidden_states="aux_hidden_states", kv_layout="shared_buffer")
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class TargetExportOptions:
+    """What to export. ``hidden_layers`` are indices of residual streams entering those layers
+    (1 .. num_layers-1); None picks three spread over the depth. ``overwrite`` replaces an
+    existing engine folder (atomically)."""
+
+    source: str
+    output: Path
+    precisions: tuple[str, ...] = ("fp32", "int8")
+    widths: tuple[int, ...] = DEFAULT_WIDTHS
+    hidden_layers: tuple[int, ...] | None = None
+    overwrite: bool = False
+    validate: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "output", Path(self.output))
+        if not self.precisions:
+            raise ExportError("precisions is empty: name at least one of " + ", ".join(TARGET_PRECISIONS))
+        bad = [p for p in self.precisions if p not in TARGET_PRECISIONS]
+        if bad:
+            raise ExportError(f"unsupported target precision(s) {bad}: choose from {list(TARGET_PRECISIONS)} "
+                              "(fp16 comes with the GPU exporter)")
+        if len(set(self.precisions)) != len(self.precisions):
+            raise ExportError(f"precisions lists one twice: {list(self.precisions)}")
+        if not self.widths or any(not isinstance(w, int) or not 1 <= w <= MAX_WIDTH for w in self.widths):
+            raise ExportError(f"verify widths must be integers in [1, {MAX_WIDTH}], got {list(self.widths)}")
+        if 1 not in self.widths:
+            raise ExportError(f"verify widths must include 1 (plain decoding), got {list(self.widths)}")
+        object.__setattr__(self, "widths", tuple(sorted(set(self.widths))))
+        if self.output.exists() and not self.overwrite:
+            raise ExportError(f"{self.output} already exists: pass --overwrite to replace it, or choose another --output")
+        if self.output.exists() and not (self.output / "manifest.json").is_file() and any(self.output.iterdir()):
+            raise ExportError(f"{self.output} exists and is not an engine folder; refusing to replace it")
+
+
+def default_hidden_layers(num_layers: int, count: int = 3) -> tuple[int, ...]:
+    """``count`` residual streams spread over the depth, never the input or final one."""
+    if num_layers < 2:
+        return ()
+    picks = sorted({max(1, min(num_layers - 1, round(num_layers * (i + 1) / (count + 1)))) for i in range(count)})
+    return tuple(picks)
+
+
+def _check_hidden_layers(layers: tuple[int, ...], num_layers: int) -> None:
+    bad = [i for i in layers if not 1 <= i < num_layers]
+    if bad:
+        raise ExportError(f"hidden layer(s) {bad} out of range: the model has {num_layers} layers, so indices "
+                          f"must be in [1, {num_layers - 1}] (the final layer is never exposed)")
+
+
+def _model_info(source: Source, config, digest: str) -> ModelInfo:
+    heads = config.num_attention_heads
+    return ModelInfo(
+        name=source.name, architecture=config.model_type, source=source.description, source_sha256=digest,
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        vocab_size=config.vocab_size, max_position_embeddings=config.max_position_embeddings)
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("dspark-edge", "torch", "transformers", "onnx", "onnxruntime", "onnxruntime-genai"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def build_graph(hf_dir: Path, out_dir: Path, precision: str, hidden_layers: tuple[int, ...], log_path: Path) -> None:
+    """Run onnxruntime-genai's model builder for one precision (CPU-targeted graph)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache = out_dir.parent / f".builder-cache-{precision}"
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out_dir),
+           "-p", precision, "-e", "cpu", "-c", str(cache)]
+    if hidden_layers:
+        cmd += ["--extra_options", "aux_hidden_state_layers=" + ",".join(str(i) for i in hidden_layers)]
+    with open(log_path, "w") as logf:
+        proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    shutil.rmtree(cache, ignore_errors=True)
+    if proc.returncode != 0:
+        tail = log_path.read_text(errors="replace").replace("\r", "\n").splitlines()[-15:]
+        raise ExportError(f"the graph builder failed for {precision} (exit {proc.returncode}):\n  "
+                          + "\n  ".join(tail))
+    # Keep only the graph and its weights: the manifest is the one description of the folder.
+    for extra in out_dir.iterdir():
+        if extra.name not in ("model.onnx", "model.onnx.data"):
+            shutil.rmtree(extra) if extra.is_dir() else extra.unlink()
+    if not (out_dir / "model.onnx").is_file():
+        raise ExportError(f"the graph builder wrote no model.onnx for {precision}; see {log_path}")
+
+
+def export_target(options: TargetExportOptions, progress: Progress | None = None) -> Manifest:
+    """Export ``options.source`` into ``options.output``; returns the written manifest."""
+    say = progress or (lambda msg: log.info("%s", msg))
+    source = resolve_source(options.source)
+    try:
+        import onnxruntime_genai.models.builder  # noqa: F401  (fail before any long work)
+    except ImportError as exc:
+        raise ExportError(f"the exporter needs the export extra (onnxruntime-genai's model builder): "
+                          f"pip install 'dspark-edge[export]' ({exc})") from exc
+    from .tokenizer import write_tokenizer
+    from .validate import VALIDATION_PROMPTS, torch_reference, validate_precision
+
+    steps = 4 + len(options.precisions) + (1 if options.validate else 0)
+    n = iter(range(1, steps + 1))
+    t_start = time.perf_counter()
+    with staging(options.output) as stage, tempfile.TemporaryDirectory(prefix="dspark-export-") as scratch:
+        scratch = Path(scratch)
+        say(f"[{next(n)}/{steps}] loading {source.description} as an FP32 PyTorch model")
+        model, hf_tok = load_source(source)
+        config = model.config
+        layers = options.hidden_layers if options.hidden_layers is not None else default_hidden_layers(
+            config.num_hidden_layers)
+        _check_hidden_layers(layers, config.num_hidden_layers)
+        info = _model_info(source, config, source_digest(source))
+        say(f"[{next(n)}/{steps}] writing the FP32 checkpoint for the graph builder")
+        hf_dir = scratch / "hf"
+        model.save_pretrained(hf_dir)
+        hf_tok.save_pretrained(hf_dir)
+        variants = []
+        for precision in options.precisions:
+            t0 = time.perf_counter()
+            say(f"[{next(n)}/{steps}] building the {precision} target graph (hidden layers {list(layers)})")
+            rel = f"target/{precision}"
+            build_graph(hf_dir, stage / rel, precision, layers, scratch / f"builder-{precision}.log")
+            variants += [Variant(role="target", width=w, precision=precision, backend="onnxruntime",
+                                 file=f"{rel}/model.onnx") for w in options.widths]
+            say(f"      {precision} graph built in {time.perf_counter() - t0:.1f}s")
+        say(f"[{next(n)}/{steps}] writing tokenizer and chat template")
+        gen_cfg = getattr(model, "generation_config", None)
+        tok_info = write_tokenizer(hf_tok, config, stage, gen_cfg)
+        say(f"[{next(n)}/{steps}] hashing files")
+        files = tuple(file_entry(stage, p.relative_to(stage).as_posix())
+                      for p in sorted(stage.rglob("*")) if p.is_file())
+        manifest = Manifest(
+            schema_version=SCHEMA_VERSION,
+            created_utc=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            exporter=_versions(), model=info, tokenizer=tok_info, io=GRAPH_IO, hidden_state_layers=layers,
+            variants=tuple(variants), files=files)
+        if options.validate:
+            say(f"[{next(n)}/{steps}] validating against PyTorch ({len(VALIDATION_PROMPTS)} prompts, "
+                f"greedy 32 tokens, widest verify width {max(options.widths)})")
+            refs = [torch_reference(model, hf_tok(p, add_special_tokens=False)["input_ids"], layers)
+                    for p in VALIDATION_PROMPTS]
+            results = []
+            for precision in options.precisions:
+                r = validate_precision(manifest, stage, precision, refs)
+                say(f"      {precision}: max|Δlogit| {r.max_abs_logit_diff:.2e}, max|Δhidden| "
+                    f"{r.max_abs_hidden_diff:.2e}, greedy {r.greedy_tokens_matched}/{r.greedy_tokens_compared}, "
+                    f"top-1 {r.teacher_forced_top1:.0%} {'ok' if r.passed else 'FAILED'}")
+                results.append(r)
+            manifest = replace(manifest, validation=tuple(results))
+            failed = [r for r in results if not r.passed]
+            if failed:
+                raise ExportError("validation against PyTorch failed for "
+                                  + ", ".join(f"{r.precision} (max|Δlogit| {r.max_abs_logit_diff:.3g}, greedy "
+                                              f"{r.greedy_tokens_matched}/{r.greedy_tokens_compared}, top-1 {r.teacher_forced_top1:.0%})"
+                                              for r in failed)
+                                  + "; nothing was written")
+        write_manifest(manifest, stage)
+        publish(stage, options.output)
+    say(f"engine folder {options.output} written in {time.perf_counter() - t_start:.0f}s")
+    return manifest

@@ -1,0 +1,65 @@
+"""Shared fixtures: a tiny model exported once per session, and (slow) the embedded default."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tiny_model import make_tiny_hf
+
+TINY_WIDTHS = (1, 2, 3, 4)
+
+
+def _cache_root(tmp_path_factory) -> Path:
+    """DSPARK_TEST_CACHE keeps exported engines between local runs; CI uses a fresh temp dir."""
+    env = os.environ.get("DSPARK_TEST_CACHE")
+    if env:
+        path = Path(env)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return tmp_path_factory.mktemp("engines")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory) -> Path:
+    return make_tiny_hf(tmp_path_factory.mktemp("tiny") / "hf")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tmp_path_factory, tiny_hf) -> Path:
+    from export import TargetExportOptions, export_target
+
+    out = tmp_path_factory.mktemp("tiny-engine") / "engine"
+    export_target(TargetExportOptions(source=str(tiny_hf), output=out, precisions=("fp32", "int8"),
+                                      widths=TINY_WIDTHS))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_torch(tiny_hf):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def default_engine(tmp_path_factory) -> Path:
+    """The embedded default exported once (FP32, default widths)."""
+    from export import TargetExportOptions, export_target
+    from export.sources import default_gguf_path, source_digest, resolve_source
+
+    try:
+        default_gguf_path()
+    except Exception as exc:  # the package is part of the test environment; say so loudly
+        pytest.fail(f"embedded default model unavailable: {exc}")
+    out = _cache_root(tmp_path_factory) / "smollm2-135m-fp32"
+    if (out / "manifest.json").is_file():
+        from dspark_edge.manifest import read_manifest
+
+        if read_manifest(out).model.source_sha256 == source_digest(resolve_source("default")):
+            return out
+    export_target(TargetExportOptions(source="default", output=out, precisions=("fp32",), overwrite=True))
+    return out

@@ -1,0 +1,62 @@
+"""Token choice: filtering keeps distributions normalised; draws come from the given Generator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from dspark_edge.sampling import choose, probs, sample
+
+logits_st = arrays(np.float32, st.integers(2, 64), elements=st.floats(-30, 30, width=32))
+
+
+@settings(max_examples=200, deadline=None)
+@given(logits_st, st.floats(0.05, 4.0), st.integers(0, 70), st.floats(0.01, 1.0))
+def test_probs_normalised_and_filtered(logits, temperature, top_k, top_p):
+    p = probs(logits, temperature, top_k, top_p)
+    assert p.shape == logits.shape
+    assert np.all(p >= 0) and abs(p.sum() - 1.0) < 1e-9
+    full = probs(logits, temperature)
+    assert np.any((p > 0) & (full >= full.max() * (1 - 1e-12)))  # a most likely token always survives
+    if 0 < top_k < logits.shape[0]:
+        assert np.count_nonzero(p) <= top_k + int(np.sum(logits == np.sort(logits)[-top_k])) - 1
+
+
+def test_top_p_keeps_smallest_prefix():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
+    p = probs(logits, 1.0, 0, 0.8)
+    assert np.count_nonzero(p) == 2 and np.isclose(p[0], 0.5 / 0.8)
+
+
+def test_top_k_one_is_greedy():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=100).astype(np.float32)
+    for _ in range(20):
+        assert choose(logits, 1.0, 1, 1.0, rng) == int(np.argmax(logits))
+
+
+def test_greedy_is_argmax_and_ignores_rng():
+    logits = np.array([0.1, 3.0, 2.9], dtype=np.float32)
+    assert choose(logits, 0.0, 0, 1.0, np.random.default_rng(1)) == 1
+    assert choose(logits, 0.0, 0, 1.0, np.random.default_rng(2)) == 1
+
+
+def test_sample_follows_distribution_and_seed():
+    p = np.array([0.1, 0.0, 0.6, 0.3])
+    draws = [sample(p, np.random.default_rng(s)) for s in range(4000)]
+    counts = np.bincount(draws, minlength=4) / len(draws)
+    assert counts[1] == 0
+    np.testing.assert_allclose(counts, p, atol=0.03)
+    a = [sample(p, g) for g in [np.random.default_rng(5)] for _ in range(50)]
+    b = [sample(p, g) for g in [np.random.default_rng(5)] for _ in range(50)]
+    assert a == b
+
+
+@pytest.mark.parametrize("t", [0.5, 1.0, 2.0])
+def test_temperature_scales_logits(t):
+    logits = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    expected = np.exp(logits / t) / np.exp(logits / t).sum()
+    np.testing.assert_allclose(probs(logits, t), expected, rtol=1e-6)
