@@ -16,7 +16,8 @@ class GenerationConfig:
     """Sampling and stopping. ``temperature == 0`` is greedy (seed-independent).
 
     top_k = 0 and top_p = 1 disable those filters. ``stop`` strings end the text before the
-    match; ``stop_token_ids`` add to the model's own end-of-turn ids. ``context_policy``:
+    match; ``stop_token_ids`` add to the model's own end-of-turn ids (``ignore_eos`` disables
+    both, for benchmarks). ``context_policy``:
     "error" rejects a prompt that does not fit the context, "truncate" keeps its tail.
     """
 
@@ -28,6 +29,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     context_policy: Literal["error", "truncate"] = "error"
+    ignore_eos: bool = False  # benchmarks: always decode max_new_tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \

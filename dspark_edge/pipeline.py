@@ -39,7 +39,6 @@ def load(engine_dir: str | Path, precision: str | None = None, *, backend: str =
     """
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
-    target = None
     precision = precision or (manifest.precisions("target") or [None])[0]
     used = sorted({v.file for v in manifest.variants_for("target", precision)} | {manifest.tokenizer.file})
     data_files = [f.path for f in manifest.files if any(f.path.startswith(u + ".") for u in used)]
@@ -142,7 +141,7 @@ class TextStream:
     def _decode(self, p: Pipeline) -> Iterator[str]:
         cfg = self.config
         rng = np.random.default_rng(cfg.seed)
-        eos = p.eos_ids | set(cfg.stop_token_ids)
+        eos = frozenset() if cfg.ignore_eos else p.eos_ids | set(cfg.stop_token_ids)
         detok = IncrementalDecoder(p.tokenizer)
         cache = p._cache
         cache.reset()

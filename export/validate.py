@@ -44,20 +44,24 @@ class Reference:
 
 
 def torch_reference(model, prompt_ids: list[int], hidden_layers: tuple[int, ...]) -> Reference:
+    import inspect
+
     import torch
 
+    # transformers renamed past_key_values to cache; pass whichever this version takes.
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         ids = torch.tensor([prompt_ids])
         out = model(ids, use_cache=True, output_hidden_states=True)
         hidden = torch.cat([out.hidden_states[i][0] for i in hidden_layers], dim=-1) if hidden_layers else \
             torch.zeros((len(prompt_ids), 0))
         prompt_logits = out.logits[0].float().numpy()
-        past = out.past_key_values
+        past = getattr(out, "cache", None) or out.past_key_values
         tok = int(out.logits[0, -1].argmax())
         greedy, step_logits = [tok], []
         for _ in range(GREEDY_TOKENS - 1):
-            out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = model(torch.tensor([[tok]]), use_cache=True, **{cache_kw: past})
+            past = getattr(out, "cache", None) or out.past_key_values
             step_logits.append(out.logits[0, -1].float().numpy())
             tok = int(out.logits[0, -1].argmax())
             greedy.append(tok)

@@ -1,0 +1,96 @@
+"""Benchmark v1: generation speed over a prompt set and the target's verify cost curve.
+
+Prints measured numbers only. Speed comparisons belong in one run (interleaved, same
+prompts), since timings on a shared machine drift.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .config import GenerationConfig
+from .errors import ConfigError
+from .pipeline import Pipeline
+from .target import TargetModel
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
+
+
+def load_prompts(path: str | Path | None = None) -> list[dict]:
+    """Prompt records: {"id", "category", "messages": [...]} or {"id", "category", "prompt": "..."}."""
+    path = Path(path) if path else DEFAULT_PROMPTS
+    if not path.is_file():
+        raise ConfigError(f"prompt file {path} not found: pass --prompts FILE (JSON lines with "
+                          "'messages' or 'prompt')")
+    records = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{n}: not valid JSON ({exc})") from exc
+        if not isinstance(rec, dict) or ("messages" in rec) == ("prompt" in rec):
+            raise ConfigError(f"{path}:{n}: each line needs exactly one of 'messages' or 'prompt'")
+        rec.setdefault("id", f"line-{n}")
+        rec.setdefault("category", "misc")
+        records.append(rec)
+    if not records:
+        raise ConfigError(f"{path} holds no prompts")
+    return records
+
+
+def bench_generation(pipe: Pipeline, prompts: list[dict], max_new_tokens: int = 128, warmup: int = 1,
+                     progress=None) -> dict:
+    """Greedy generation of exactly ``max_new_tokens`` per prompt (EOS ignored)."""
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
+    for rec in prompts[:warmup]:
+        pipe.generate(rec.get("messages") or rec["prompt"], cfg)
+    rows = []
+    for i, rec in enumerate(prompts):
+        t0 = time.perf_counter()
+        r = pipe.generate(rec.get("messages") or rec["prompt"], cfg)
+        wall = time.perf_counter() - t0
+        rows.append({"id": rec["id"], "category": rec["category"], "prompt_tokens": r.stats.prompt_tokens,
+                     "new_tokens": r.stats.new_tokens, "wall_s": round(wall, 4),
+                     "prefill_s": round(r.stats.prefill_s, 4),
+                     "tokens_per_s": round(r.stats.tokens_per_s, 2),
+                     "tokens_per_s_with_prefill": round(r.stats.new_tokens / wall, 2)})
+        if progress:
+            progress(i + 1, len(prompts), rows[-1])
+    decode_tokens = sum(r["new_tokens"] - 1 for r in rows)
+    decode_s = sum(r["wall_s"] - r["prefill_s"] for r in rows)
+    return {"prompts": len(rows), "new_tokens": sum(r["new_tokens"] for r in rows),
+            "wall_s": round(sum(r["wall_s"] for r in rows), 3),
+            "tokens_per_s": round(decode_tokens / decode_s, 2) if decode_s > 0 else 0.0,
+            "tokens_per_s_with_prefill": round(sum(r["new_tokens"] for r in rows) / sum(r["wall_s"] for r in rows), 2),
+            "per_prompt": rows}
+
+
+def verify_cost_curve(target: TargetModel, depth: int = 128, repeats: int = 15, warmup: int = 3,
+                      seed: int = 0) -> dict:
+    """Median milliseconds of one target pass at each listed width after ``depth`` cached positions."""
+    if depth + max(target.widths) > target.capacity:
+        raise ConfigError(f"depth {depth} + width {max(target.widths)} exceeds the context {target.capacity}")
+    rng = np.random.default_rng(seed)
+    cache = target.new_cache()
+    vocab = target.manifest.model.vocab_size
+    target.prefill(cache, rng.integers(0, vocab, size=depth, dtype=np.int64))
+    times: dict[int, list[float]] = {w: [] for w in target.widths}
+    for rep in range(warmup + repeats):
+        for w in target.widths:  # interleaved, so drift hits every width alike
+            ids = rng.integers(0, vocab, size=w, dtype=np.int64)
+            t0 = time.perf_counter()
+            target.step(cache, ids)
+            dt = time.perf_counter() - t0
+            if rep >= warmup:
+                times[w].append(dt)
+    ms = {w: round(1000 * statistics.median(v), 3) for w, v in times.items()}
+    base = ms[min(ms)]
+    return {"depth": depth, "repeats": repeats, "median_ms": {str(w): v for w, v in ms.items()},
+            "relative_to_width_1": {str(w): round(v / base, 3) for w, v in ms.items()}}

