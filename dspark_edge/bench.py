@@ -16,7 +16,7 @@ import numpy as np
 from .config import GenerationConfig
 from .errors import ConfigError
 from .pipeline import Pipeline
-from .target import TargetModel
+from .decoder import DecoderModel
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
 
@@ -72,7 +72,7 @@ def bench_generation(pipe: Pipeline, prompts: list[dict], max_new_tokens: int = 
             "per_prompt": rows}
 
 
-def verify_cost_curve(target: TargetModel, depth: int = 128, repeats: int = 15, warmup: int = 3,
+def verify_cost_curve(target: DecoderModel, depth: int = 128, repeats: int = 15, warmup: int = 3,
                       seed: int = 0) -> dict:
     """Median milliseconds of one target pass at each listed width after ``depth`` cached positions."""
     if depth + max(target.widths) > target.capacity:

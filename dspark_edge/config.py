@@ -17,7 +17,8 @@ class GenerationConfig:
 
     top_k = 0 and top_p = 1 disable those filters. ``stop`` strings end the text before the
     match; ``stop_token_ids`` add to the model's own end-of-turn ids (``ignore_eos`` disables
-    both, for benchmarks). ``context_policy``:
+    both, for benchmarks). ``draft_tokens`` fixes the drafts verified per round: the verify
+    width ``draft_tokens + 1`` must be one the engine lists. ``context_policy``:
     "error" rejects a prompt that does not fit the context, "truncate" keeps its tail.
     """
 
@@ -30,8 +31,13 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()
     context_policy: Literal["error", "truncate"] = "error"
     ignore_eos: bool = False  # benchmarks: always decode max_new_tokens
+    speculative: bool = True  # False: plain decoding even when the pipeline has a drafter
+    draft_tokens: int | None = None  # drafts per round (verify width - 1); None: the widest listed
 
     def __post_init__(self) -> None:
+        if self.draft_tokens is not None and (isinstance(self.draft_tokens, bool)
+                                              or not isinstance(self.draft_tokens, int) or self.draft_tokens < 0):
+            raise ConfigError(f"draft_tokens must be an integer >= 0 or None, got {self.draft_tokens!r}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
                 or self.max_new_tokens < 0:
             raise ConfigError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
@@ -62,8 +68,14 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class GenerationStats:
-    """Timing and counts of one generation. ``rounds`` are target passes after the prefill;
-    ``widths`` counts how often each verify width ran."""
+    """Counts and timings of one generation, named as llama.cpp / vLLM name them.
+
+    ``rounds`` are target passes after the prefill. ``draft_n`` drafted tokens were verified,
+    ``draft_n_accepted`` of them kept; ``accept_length_hist[a]`` counts rounds that accepted a
+    drafts; ``acceptance_per_position[i]`` is the share of rounds that reached draft i+1 and
+    accepted it; ``bonus_tokens`` counts rounds whose every draft was accepted. ``widths``
+    counts the verify widths used.
+    """
 
     prompt_tokens: int
     new_tokens: int
@@ -72,6 +84,15 @@ class GenerationStats:
     decode_s: float
     rounds: int
     widths: dict[str, int] = field(default_factory=dict)
+    drafter: str = "none"
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    accept_length_hist: dict[str, int] = field(default_factory=dict)
+    acceptance_per_position: tuple[float, ...] = ()
+    bonus_tokens: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    drafter_disabled: str | None = None
 
     @property
     def total_s(self) -> float:
@@ -86,14 +107,28 @@ class GenerationStats:
     def tokens_per_s_with_prefill(self) -> float:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
+    @property
+    def acceptance_rate(self) -> float:
+        return self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per round (accepted drafts + the target's own token)."""
+        return (self.draft_n_accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def draft_correction_rate(self) -> float:
+        """Share of rounds with drafts in which the target corrected a draft."""
+        with_drafts = sum(v for k, v in self.widths.items() if k != "1")
+        return (with_drafts - self.bonus_tokens) / with_drafts if with_drafts else 0.0
+
     def as_dict(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
-            "prompt_truncated": self.prompt_truncated, "prefill_s": self.prefill_s,
-            "decode_s": self.decode_s, "total_s": self.total_s, "rounds": self.rounds,
-            "widths": dict(self.widths), "tokens_per_s": self.tokens_per_s,
-            "tokens_per_s_with_prefill": self.tokens_per_s_with_prefill,
-        }
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        out["acceptance_per_position"] = list(self.acceptance_per_position)
+        for name in ("total_s", "tokens_per_s", "tokens_per_s_with_prefill", "acceptance_rate",
+                     "mean_accepted_length", "draft_correction_rate"):
+            out[name] = getattr(self, name)
+        return out
 
 
 @dataclass(frozen=True)

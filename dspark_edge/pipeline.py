@@ -1,6 +1,9 @@
 """The public runtime: ``load(engine_dir)`` → ``Pipeline`` → ``generate`` / ``stream``.
 
-Plain autoregressive decoding over the target's width-1 variant. Each generation starts
+One loop serves plain and speculative decoding: each round the drafter (if any) proposes
+tokens, the target runs once over [pending token, drafts…] at a listed verify width, the
+drafts are verified (greedy or rejection sampling), and the KV cache keeps only the
+committed positions. Without drafts a round is a plain width-1 step. Each generation starts
 from an empty KV cache, so a failed or cancelled generation leaves the pipeline usable.
 One generation at a time per pipeline: a second concurrent call is refused with a clear
 error (create one pipeline per thread instead).
@@ -21,21 +24,25 @@ from .backends import BackendOptions
 from .config import GenerationConfig, GenerationResult, GenerationStats
 from .errors import ConfigError, DSparkError, GenerationError, PromptError
 from .manifest import Manifest, read_manifest, verify_files
+from .decoder import DecoderModel
+from .drafters import Draft, DraftRequest, create as create_drafter
 from .sampling import choose
-from .target import TargetModel
 from .tokenizer import IncrementalDecoder, Tokenizer
+from .verify import verify_greedy, verify_sampling
 
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[Mapping[str, str]]
+MAX_DRAFTER_FAILURES = 3
 
 
-def load(engine_dir: str | Path, precision: str | None = None, *, backend: str = "onnxruntime",
+def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, backend: str = "onnxruntime",
          options: BackendOptions | None = None, verify_hashes: bool = True) -> "Pipeline":
     """Open an engine folder. ``precision`` defaults to the most precise one exported.
 
-    ``verify_hashes`` checks the sha256 of the files this precision uses (sizes are always
-    checked).
+    ``drafter``: None (plain decoding), "ngram" (prompt lookup), the path of a draft-model
+    engine folder, or a Drafter object. ``verify_hashes`` checks the sha256 of the files
+    this precision uses (sizes are always checked).
     """
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
@@ -43,14 +50,17 @@ def load(engine_dir: str | Path, precision: str | None = None, *, backend: str =
     used = sorted({v.file for v in manifest.variants_for("target", precision)} | {manifest.tokenizer.file})
     data_files = [f.path for f in manifest.files if any(f.path.startswith(u + ".") for u in used)]
     verify_files(manifest, engine_dir, used + data_files, check_hashes=verify_hashes)
-    target = TargetModel(manifest, engine_dir, precision, backend, options)
+    target = DecoderModel(manifest, engine_dir, precision, backend, options)
     tokenizer = Tokenizer.from_engine(engine_dir, manifest)
-    return Pipeline(manifest, engine_dir, target, tokenizer)
+    return Pipeline(manifest, engine_dir, target, tokenizer,
+                    create_drafter(drafter, manifest, options=options, verify_hashes=verify_hashes))
 
 
 class Pipeline:
-    def __init__(self, manifest: Manifest, engine_dir: Path, target: TargetModel, tokenizer: Tokenizer) -> None:
+    def __init__(self, manifest: Manifest, engine_dir: Path, target: DecoderModel, tokenizer: Tokenizer,
+                 drafter=None) -> None:
         self.manifest = manifest
+        self.drafter = drafter
         self.engine_dir = engine_dir
         self.target = target
         self.tokenizer = tokenizer
@@ -142,34 +152,51 @@ class TextStream:
         cfg = self.config
         rng = np.random.default_rng(cfg.seed)
         eos = frozenset() if cfg.ignore_eos else p.eos_ids | set(cfg.stop_token_ids)
+        widths_listed = p.target.widths
+        drafter = p.drafter if cfg.speculative else None
+        max_drafts = max(widths_listed) - 1
+        if cfg.draft_tokens is not None:
+            if cfg.draft_tokens + 1 not in widths_listed:
+                raise ConfigError(f"draft_tokens={cfg.draft_tokens} needs verify width {cfg.draft_tokens + 1}, "
+                                  f"which this engine does not list {widths_listed}; pick one of "
+                                  f"{[w - 1 for w in widths_listed]}")
+            max_drafts = cfg.draft_tokens
         detok = IncrementalDecoder(p.tokenizer)
         cache = p._cache
         cache.reset()
+        st = _RoundStats(max_drafts)
         text, emitted = "", 0
         hold = max((len(s) for s in cfg.stop), default=1) - 1  # chars that may start a stop string
-        stop_reason, error = "max_new_tokens", None
-        widths: dict[str, int] = {}
+        stop_reason, error, drafter_disabled, failures = "max_new_tokens", None, None, 0
         t0 = time.perf_counter()
         prefill_s = 0.0
         try:
             if cfg.max_new_tokens > 0:
-                out = p.target.prefill(cache, np.asarray(self._prompt_ids, dtype=np.int64))
-                tok = choose(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, rng)
+                committed = list(self._prompt_ids)
+                out = p.target.prefill(cache, np.asarray(committed, dtype=np.int64))
+                new = [choose(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, rng)]
                 prefill_s = time.perf_counter() - t0
+                if drafter is not None:
+                    drafter.begin(committed)
                 while True:
-                    self.token_ids.append(tok)
-                    if tok in eos:
-                        stop_reason = "eos"
-                        break
-                    text += detok.push([tok])
-                    cut = _find_stop(text, cfg.stop, max(0, emitted - hold))
-                    if cut is not None:
-                        text, stop_reason = text[:cut], "stop_string"
-                        break
-                    if len(text) - hold > emitted:
+                    done = False
+                    for tok in new:  # emit this round's tokens in order; stop mid-block if needed
+                        self.token_ids.append(tok)
+                        if tok in eos:
+                            stop_reason, done = "eos", True
+                            break
+                        text += detok.push([tok])
+                        cut = _find_stop(text, cfg.stop, max(0, emitted - hold))
+                        if cut is not None:
+                            text, stop_reason, done = text[:cut], "stop_string", True
+                            break
+                        if len(self.token_ids) >= cfg.max_new_tokens:
+                            done = True
+                            break
+                    if len(text) - hold > emitted and stop_reason != "stop_string":
                         piece, emitted = text[emitted:len(text) - hold], len(text) - hold
                         yield piece
-                    if len(self.token_ids) >= cfg.max_new_tokens:
+                    if done:
                         break
                     if self._cancel.is_set():
                         stop_reason = "cancelled"
@@ -177,10 +204,42 @@ class TextStream:
                     if cache.free < 1:
                         stop_reason = "context_full"
                         break
-                    out = p.target.step(cache, np.array([tok], dtype=np.int64))
-                    cache.commit(1)
-                    widths["1"] = widths.get("1", 0) + 1
-                    tok = choose(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, rng)
+                    pending = new[-1]
+                    # Drafts past the token budget or the context are wasted work.
+                    k_max = min(max_drafts, cfg.max_new_tokens - len(self.token_ids) - 1, cache.free - 1)
+                    draft = Draft.empty()
+                    if drafter is not None and k_max > 0:
+                        t_d = time.perf_counter()
+                        try:
+                            draft = drafter.propose(DraftRequest(committed + [pending], k_max, cfg.temperature,
+                                                                 cfg.top_k, cfg.top_p), rng)
+                            failures = 0
+                        except Exception as exc:  # a drafter must never take the generation down
+                            failures += 1
+                            log.warning("drafter %s failed (%s: %s)", drafter.name, type(exc).__name__, exc)
+                            if failures >= MAX_DRAFTER_FAILURES:
+                                drafter_disabled = f"{failures} consecutive failures, last: {type(exc).__name__}: {exc}"
+                                log.warning("speculation disabled for this generation: %s", drafter_disabled)
+                                drafter = None
+                        st.draft_s += time.perf_counter() - t_d
+                    # The widest listed width the draft fills: an unfilled width is never padded.
+                    width = max(w for w in widths_listed if w <= len(draft) + 1)
+                    draft = draft.trimmed(width - 1)
+                    t_v = time.perf_counter()
+                    out = p.target.step(cache, np.concatenate(([pending], draft.tokens)).astype(np.int64))
+                    if cfg.temperature == 0.0:
+                        outcome = verify_greedy(draft.tokens, out.logits)
+                    else:
+                        outcome = verify_sampling(draft.tokens, draft.q, out.logits, cfg.temperature,
+                                                  cfg.top_k, cfg.top_p, rng)
+                    st.verify_s += time.perf_counter() - t_v
+                    cache.commit(1 + outcome.accepted)  # the anchor and the accepted drafts
+                    committed.append(pending)
+                    committed.extend(outcome.tokens[:-1])
+                    st.record(width, len(draft), outcome)
+                    if drafter is not None and len(draft):
+                        drafter.feedback(len(draft), outcome.accepted, committed)
+                    new = list(outcome.tokens)
                 if stop_reason not in ("stop_string", "eos"):
                     text += detok.flush()
                     cut = _find_stop(text, cfg.stop, max(0, emitted - hold))
@@ -195,15 +254,48 @@ class TextStream:
         finally:
             cache.reset()
         total = time.perf_counter() - t0
-        stats = GenerationStats(prompt_tokens=len(self._prompt_ids), new_tokens=len(self.token_ids),
-                                prompt_truncated=self._truncated, prefill_s=prefill_s,
-                                decode_s=max(0.0, total - prefill_s), rounds=sum(widths.values()), widths=widths)
+        stats = st.finish(prompt_tokens=len(self._prompt_ids), new_tokens=len(self.token_ids),
+                          prompt_truncated=self._truncated, prefill_s=prefill_s,
+                          decode_s=max(0.0, total - prefill_s),
+                          drafter=p.drafter.name if (p.drafter is not None and cfg.speculative) else "none",
+                          drafter_disabled=drafter_disabled)
         self.result = GenerationResult(text=text, token_ids=tuple(self.token_ids), stop_reason=stop_reason,
                                        stats=stats, error=error)
         if error is not None:
             raise GenerationError(f"generation failed: {error}", partial=self.result)
         if len(text) > emitted:
             yield text[emitted:]
+
+
+class _RoundStats:
+    """Accumulates per-round counts into GenerationStats."""
+
+    def __init__(self, max_drafts: int) -> None:
+        self.rounds = self.draft_n = self.accepted = self.bonus = 0
+        self.widths: dict[str, int] = {}
+        self.hist: dict[str, int] = {}
+        self.reached = np.zeros(max(1, max_drafts), dtype=np.int64)
+        self.kept = np.zeros(max(1, max_drafts), dtype=np.int64)
+        self.draft_s = self.verify_s = 0.0
+
+    def record(self, width: int, drafted: int, outcome) -> None:
+        self.rounds += 1
+        self.widths[str(width)] = self.widths.get(str(width), 0) + 1
+        if drafted:
+            self.draft_n += drafted
+            self.accepted += outcome.accepted
+            self.bonus += int(outcome.bonus)
+            self.hist[str(outcome.accepted)] = self.hist.get(str(outcome.accepted), 0) + 1
+            self.reached[:min(outcome.accepted + 1, drafted)] += 1
+            self.kept[:outcome.accepted] += 1
+
+    def finish(self, **kw) -> GenerationStats:
+        used = int(np.max(np.flatnonzero(self.reached), initial=-1)) + 1
+        per_pos = tuple(float(k / r) for k, r in zip(self.kept[:used], self.reached[:used]))
+        return GenerationStats(rounds=self.rounds, widths=self.widths, draft_n=self.draft_n,
+                               draft_n_accepted=self.accepted, accept_length_hist=self.hist,
+                               acceptance_per_position=per_pos, bonus_tokens=self.bonus,
+                               draft_s=self.draft_s, verify_s=self.verify_s, **kw)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

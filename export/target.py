@@ -113,6 +113,16 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _die_with_parent() -> None:
+    """In the builder child (Linux): get SIGKILL when the exporter dies, so a killed export
+    leaves no orphan writing into its staging folder."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def build_graph(hf_dir: Path, out_dir: Path, precision: str, hidden_layers: tuple[int, ...], log_path: Path) -> None:
     """Run onnxruntime-genai's model builder for one precision (CPU-targeted graph)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -122,7 +132,8 @@ def build_graph(hf_dir: Path, out_dir: Path, precision: str, hidden_layers: tupl
     if hidden_layers:
         cmd += ["--extra_options", "aux_hidden_state_layers=" + ",".join(str(i) for i in hidden_layers)]
     with open(log_path, "w") as logf:
-        proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                              preexec_fn=_die_with_parent)
     shutil.rmtree(cache, ignore_errors=True)
     if proc.returncode != 0:
         tail = log_path.read_text(errors="replace").replace("\r", "\n").splitlines()[-15:]

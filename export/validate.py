@@ -3,7 +3,7 @@
 For each prompt: the prompt's logits and exposed hidden states (max |Δ|), 32 greedy tokens
 (how many agree before the first divergence), and the logits of that continuation run
 through the graph at its widest verify width (so multi-token verification is checked too).
-Runs the graph through the runtime's own TargetModel, i.e. the path users get.
+Runs the graph through the runtime's own DecoderModel, i.e. the path users get.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from dspark_edge.backends import BackendOptions
 from dspark_edge.manifest import Manifest, ValidationResult
-from dspark_edge.target import TargetModel
+from dspark_edge.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def torch_reference(model, prompt_ids: list[int], hidden_layers: tuple[int, ...]
 
 def validate_precision(manifest: Manifest, engine_dir: Path, precision: str,
                        references: list[Reference]) -> ValidationResult:
-    target = TargetModel(manifest, engine_dir, precision, options=BackendOptions(max_context=512))
+    target = DecoderModel(manifest, engine_dir, precision, options=BackendOptions(max_context=512))
     cache = target.new_cache()
     widest = max(target.widths)
     max_logit, max_hidden, compared, matched = 0.0, 0.0, 0, 0

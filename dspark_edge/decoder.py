@@ -1,6 +1,7 @@
-"""The target model: one precision's graph opened once and run at the widths the manifest lists.
+"""A decoder model of an engine folder (the target, or an independent draft model): one
+precision's graph opened once and run at the widths the manifest lists.
 
-``step`` runs exactly a listed verify width (an unlisted width is an error, never clamped);
+``step`` runs exactly a listed width (an unlisted width is an error, never clamped);
 ``prefill`` runs the prompt in chunks so a long prompt never materialises [S, V] logits at
 once. Knows nothing about tokenization or sampling.
 """
@@ -21,26 +22,28 @@ log = logging.getLogger(__name__)
 PREFILL_CHUNK = 128
 
 
-class TargetModel:
+class DecoderModel:
     def __init__(self, manifest: Manifest, engine_dir: str | Path, precision: str | None = None,
-                 backend: str = "onnxruntime", options: BackendOptions | None = None) -> None:
-        available = manifest.precisions("target")
+                 backend: str = "onnxruntime", options: BackendOptions | None = None,
+                 role: str = "target") -> None:
+        available = manifest.precisions(role)
         if not available:
-            raise EngineError(f"{engine_dir}: the manifest lists no target variant")
+            raise EngineError(f"{engine_dir}: the manifest lists no {role} variant")
         if precision is None:
             precision = available[0]
         if precision not in available:
-            raise ConfigError(f"precision {precision!r} is not in this engine (it has {available}); "
-                              f"export it with `python -m export target --precisions {precision}`")
-        variants = manifest.variants_for("target", precision, backend)
+            raise ConfigError(f"precision {precision!r} is not in this engine's {role} (it has {available}); "
+                              f"export it with `--precisions {precision}`")
+        variants = manifest.variants_for(role, precision, backend)
         if not variants:
-            raise ConfigError(f"no {backend} target variant at precision {precision}; "
-                              f"backends present: {sorted({v.backend for v in manifest.variants_for('target', precision)})}")
+            raise ConfigError(f"no {backend} {role} variant at precision {precision}; "
+                              f"backends present: {sorted({v.backend for v in manifest.variants_for(role, precision)})}")
         files = {v.file for v in variants}
         if len(files) != 1:
-            raise EngineError(f"{precision} target variants name several graph files {sorted(files)}; "
+            raise EngineError(f"{precision} {role} variants name several graph files {sorted(files)}; "
                               "this runtime expects one graph used at every width")
         self.manifest = manifest
+        self.role = role
         self.precision = precision
         self.backend = backend
         self.file = files.pop()
@@ -60,7 +63,7 @@ class TargetModel:
         The returned arrays are reused by the next call of the same width: copy what you keep.
         """
         if ids.shape[0] not in self.widths:
-            raise ConfigError(f"width {ids.shape[0]} is not a listed {self.precision} verify width "
+            raise ConfigError(f"width {ids.shape[0]} is not a listed {self.precision} {self.role} width "
                               f"{self.widths}; pick one of those")
         return self.session.forward(cache, ids)
 

@@ -1,0 +1,79 @@
+"""The drafter protocol, and the acceptance statistics drafters without a confidence head use.
+
+A drafter proposes up to N tokens after the committed context, with the distribution q_i
+each was drawn from (None for deterministic drafters) and a per-position confidence c_i
+(the estimated probability that draft i is accepted given drafts 1..i-1 were). After each
+round ``feedback`` says how many were accepted and which tokens were committed.
+Drafters know nothing about the target's KV cache or the verification rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass
+class Draft:
+    tokens: np.ndarray  # [k] int64, k may be 0
+    q: np.ndarray | None  # [k, V] float64 draft distributions, or None (deterministic drafts)
+    confidence: np.ndarray  # [k] float64 in [0, 1]
+
+    @classmethod
+    def empty(cls) -> "Draft":
+        return cls(np.zeros(0, dtype=np.int64), None, np.zeros(0))
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def trimmed(self, k: int) -> "Draft":
+        return Draft(self.tokens[:k], None if self.q is None else self.q[:k], self.confidence[:k])
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """What a drafter needs for one round. ``context`` is every committed token plus the
+    pending one (the anchor, whose K/V the target has not seen yet)."""
+
+    context: Sequence[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+class Drafter(Protocol):
+    name: str
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        """A new generation starts from ``prompt_ids``."""
+
+    def propose(self, request: DraftRequest, rng: np.random.Generator) -> Draft: ...
+
+    def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:
+        """``drafted`` tokens were verified, the first ``accepted`` kept; ``committed`` is the
+        whole committed context now (without the new pending token)."""
+
+
+class AcceptanceTracker:
+    """Per-position acceptance estimates from observed rounds (for drafters without a
+    confidence head): c_i = P(draft i accepted | drafts before it accepted), smoothed with a
+    prior so unseen positions start at ``prior``."""
+
+    def __init__(self, max_positions: int = 16, prior: float = 0.5, prior_weight: float = 2.0) -> None:
+        self.tried = np.zeros(max_positions)
+        self.accepted = np.zeros(max_positions)
+        self.prior, self.prior_weight = prior, prior_weight
+
+    def update(self, drafted: int, accepted: int) -> None:
+        n = min(drafted, self.tried.shape[0])
+        reached = min(accepted + 1, n)  # positions 0..accepted were judged
+        self.tried[:reached] += 1
+        self.accepted[:min(accepted, n)] += 1
+
+    def confidence(self, k: int) -> np.ndarray:
+        k = min(k, self.tried.shape[0])
+        return (self.accepted[:k] + self.prior * self.prior_weight) / (self.tried[:k] + self.prior_weight)
