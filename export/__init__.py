@@ -4,6 +4,6 @@ Needs the ``export`` extra (PyTorch, transformers, gguf, onnxruntime-genai's gra
 The runtime never imports this package.
 """
 
-from .target import TargetExportOptions, export_target
+from .target import ExportOptions, export_target
 
-__all__ = ["TargetExportOptions", "export_target"]
+__all__ = ["ExportOptions", "export_target"]

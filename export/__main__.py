@@ -1,6 +1,8 @@
 """``python -m export``: command-line front end of the exporter.
 
     python -m export target --source default --output engines/smollm2-135m
+    python -m export draft-model --source default --keep-layers 2 --target engines/smollm2-135m \
+        --output engines/smollm2-draft
 """
 
 from __future__ import annotations
@@ -45,6 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="replace an existing engine folder (atomically)")
     t.add_argument("--no-validate", action="store_true", help="skip the comparison against PyTorch")
     t.add_argument("-v", "--verbose", action="store_true", help="log details")
+
+    d = sub.add_parser("draft-model", help="export an independent draft model (same tokenizer as the target)",
+                       description="Export a smaller causal LM that shares the target's tokenizer as a draft "
+                                   "model (width 1, its own KV cache). With --keep-layers, keep only its first N "
+                                   "layers (e.g. a truncated copy of the target).")
+    d.add_argument("--source", default="default", help="'default', a Hugging Face model folder, or a .gguf file")
+    d.add_argument("--output", required=True, type=Path, help="engine folder to create")
+    d.add_argument("--target", type=Path, default=None,
+                   help="the target's engine folder: the draft model's tokenizer must match it")
+    d.add_argument("--keep-layers", type=int, default=None, help="keep only the first N decoder layers")
+    d.add_argument("--precisions", type=_str_list, default=("fp32",),
+                   help="comma-separated precisions: fp32, int8, int4 (default: fp32)")
+    d.add_argument("--overwrite", action="store_true", help="replace an existing engine folder (atomically)")
+    d.add_argument("--no-validate", action="store_true", help="skip the comparison against PyTorch")
+    d.add_argument("-v", "--verbose", action="store_true", help="log details")
     return parser
 
 
@@ -52,12 +69,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    from .target import TargetExportOptions, export_target
+    from .target import ExportOptions, export_target
 
     try:
-        options = TargetExportOptions(source=args.source, output=args.output, precisions=args.precisions,
-                                      widths=args.widths, hidden_layers=args.hidden_layers,
-                                      overwrite=args.overwrite, validate=not args.no_validate)
+        if args.command == "target":
+            options = ExportOptions(source=args.source, output=args.output, precisions=args.precisions,
+                                    widths=args.widths, hidden_layers=args.hidden_layers,
+                                    overwrite=args.overwrite, validate=not args.no_validate)
+        else:
+            options = ExportOptions(source=args.source, output=args.output, precisions=args.precisions,
+                                    widths=(1,), role="draft_model", keep_layers=args.keep_layers,
+                                    target_engine=args.target, overwrite=args.overwrite,
+                                    validate=not args.no_validate)
         export_target(options, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     except DSparkError as exc:
         print(f"error: {exc}", file=sys.stderr)

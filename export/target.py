@@ -1,4 +1,4 @@
-"""``python -m export target``: a source model → an engine folder with target graphs.
+"""``python -m export target`` / ``draft-model``: a source model → an engine folder.
 
 Plan (validate options and source) → stage in a hidden sibling folder → load the FP32
 PyTorch model → build one fused decoder graph per precision with onnxruntime-genai's model
@@ -42,10 +42,13 @@ Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
-class TargetExportOptions:
-    """What to export. ``hidden_layers`` are indices of residual streams entering those layers
-    (1 .. num_layers-1); None picks three spread over the depth. ``overwrite`` replaces an
-    existing engine folder (atomically)."""
+class ExportOptions:
+    """What to export. ``role`` "target" builds the target (verify widths, hidden-state output
+    for drafters); "draft_model" builds an independent draft model (width 1, no hidden states),
+    optionally keeping only its first ``keep_layers`` layers, and checks that it shares the
+    tokenizer of the engine folder ``target_engine``. ``hidden_layers`` are indices of residual
+    streams entering those layers (1 .. num_layers-1); None picks three spread over the depth.
+    ``overwrite`` replaces an existing engine folder (atomically)."""
 
     source: str
     output: Path
@@ -54,9 +57,24 @@ class TargetExportOptions:
     hidden_layers: tuple[int, ...] | None = None
     overwrite: bool = False
     validate: bool = True
+    role: str = "target"
+    keep_layers: int | None = None
+    target_engine: Path | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output", Path(self.output))
+        if self.role not in ("target", "draft_model"):
+            raise ExportError(f"role must be 'target' or 'draft_model', got {self.role!r}")
+        if self.role == "draft_model":
+            if self.hidden_layers:
+                raise ExportError("a draft model exposes no hidden layers; drop --hidden-layers")
+            object.__setattr__(self, "hidden_layers", ())
+        if self.keep_layers is not None and self.keep_layers < 1:
+            raise ExportError(f"keep_layers must be >= 1, got {self.keep_layers}")
+        if self.target_engine is not None:
+            object.__setattr__(self, "target_engine", Path(self.target_engine))
+            if not (self.target_engine / "manifest.json").is_file():
+                raise ExportError(f"--target {self.target_engine} is not an engine folder (no manifest.json)")
         if not self.precisions:
             raise ExportError("precisions is empty: name at least one of " + ", ".join(TARGET_PRECISIONS))
         bad = [p for p in self.precisions if p not in TARGET_PRECISIONS]
@@ -147,7 +165,28 @@ def build_graph(hf_dir: Path, out_dir: Path, precision: str, hidden_layers: tupl
         raise ExportError(f"the graph builder wrote no model.onnx for {precision}; see {log_path}")
 
 
-def export_target(options: TargetExportOptions, progress: Progress | None = None) -> Manifest:
+def _truncate(model, keep: int) -> None:
+    """Keep the first ``keep`` decoder layers (a cheap draft model made from a larger one)."""
+    n = model.config.num_hidden_layers
+    if keep > n:
+        raise ExportError(f"keep_layers={keep} but the source has only {n} layers")
+    model.model.layers = model.model.layers[:keep]
+    model.config.num_hidden_layers = keep
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:keep]
+
+
+def _check_draft_tokenizer(stage: Path, target_engine: Path) -> None:
+    from dspark_edge.manifest import read_manifest, sha256_file
+
+    target = read_manifest(target_engine)
+    mine = sha256_file(stage / "tokenizer.json")
+    if mine != target.file_entry(target.tokenizer.file).sha256:
+        raise ExportError(f"the draft model's tokenizer differs from the target's in {target_engine}: a draft "
+                          "model must use the target's tokenizer; nothing was written")
+
+
+def export_target(options: ExportOptions, progress: Progress | None = None) -> Manifest:
     """Export ``options.source`` into ``options.output``; returns the written manifest."""
     say = progress or (lambda msg: log.info("%s", msg))
     source = resolve_source(options.source)
@@ -166,6 +205,8 @@ def export_target(options: TargetExportOptions, progress: Progress | None = None
         scratch = Path(scratch)
         say(f"[{next(n)}/{steps}] loading {source.description} as an FP32 PyTorch model")
         model, hf_tok = load_source(source)
+        if options.keep_layers is not None:
+            _truncate(model, options.keep_layers)
         config = model.config
         layers = options.hidden_layers if options.hidden_layers is not None else default_hidden_layers(
             config.num_hidden_layers)
@@ -178,22 +219,25 @@ def export_target(options: TargetExportOptions, progress: Progress | None = None
         variants = []
         for precision in options.precisions:
             t0 = time.perf_counter()
-            say(f"[{next(n)}/{steps}] building the {precision} target graph (hidden layers {list(layers)})")
-            rel = f"target/{precision}"
+            say(f"[{next(n)}/{steps}] building the {precision} {options.role} graph (hidden layers {list(layers)})")
+            rel = f"{options.role}/{precision}"
             build_graph(hf_dir, stage / rel, precision, layers, scratch / f"builder-{precision}.log")
-            variants += [Variant(role="target", width=w, precision=precision, backend="onnxruntime",
+            variants += [Variant(role=options.role, width=w, precision=precision, backend="onnxruntime",
                                  file=f"{rel}/model.onnx") for w in options.widths]
             say(f"      {precision} graph built in {time.perf_counter() - t0:.1f}s")
         say(f"[{next(n)}/{steps}] writing tokenizer and chat template")
         gen_cfg = getattr(model, "generation_config", None)
         tok_info = write_tokenizer(hf_tok, config, stage, gen_cfg)
+        if options.target_engine is not None:
+            _check_draft_tokenizer(stage, options.target_engine)
         say(f"[{next(n)}/{steps}] hashing files")
         files = tuple(file_entry(stage, p.relative_to(stage).as_posix())
                       for p in sorted(stage.rglob("*")) if p.is_file())
         manifest = Manifest(
             schema_version=SCHEMA_VERSION,
             created_utc=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            exporter=_versions(), model=info, tokenizer=tok_info, io=GRAPH_IO, hidden_state_layers=layers,
+            exporter=_versions(), model=info, tokenizer=tok_info,
+            io=GRAPH_IO if layers else replace(GRAPH_IO, hidden_states=None), hidden_state_layers=layers,
             variants=tuple(variants), files=files)
         if options.validate:
             say(f"[{next(n)}/{steps}] validating against PyTorch ({len(VALIDATION_PROMPTS)} prompts, "
@@ -202,7 +246,7 @@ def export_target(options: TargetExportOptions, progress: Progress | None = None
                     for p in VALIDATION_PROMPTS]
             results = []
             for precision in options.precisions:
-                r = validate_precision(manifest, stage, precision, refs)
+                r = validate_precision(manifest, stage, precision, refs, role=options.role)
                 say(f"      {precision}: max|Δlogit| {r.max_abs_logit_diff:.2e}, max|Δhidden| "
                     f"{r.max_abs_hidden_diff:.2e}, greedy {r.greedy_tokens_matched}/{r.greedy_tokens_compared}, "
                     f"top-1 {r.teacher_forced_top1:.0%} {'ok' if r.passed else 'FAILED'}")

@@ -69,8 +69,8 @@ def torch_reference(model, prompt_ids: list[int], hidden_layers: tuple[int, ...]
 
 
 def validate_precision(manifest: Manifest, engine_dir: Path, precision: str,
-                       references: list[Reference]) -> ValidationResult:
-    target = DecoderModel(manifest, engine_dir, precision, options=BackendOptions(max_context=512))
+                       references: list[Reference], role: str = "target") -> ValidationResult:
+    target = DecoderModel(manifest, engine_dir, precision, options=BackendOptions(max_context=512), role=role)
     cache = target.new_cache()
     widest = max(target.widths)
     max_logit, max_hidden, compared, matched = 0.0, 0.0, 0, 0

@@ -29,10 +29,10 @@ def tiny_hf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_engine(tmp_path_factory, tiny_hf) -> Path:
-    from export import TargetExportOptions, export_target
+    from export import ExportOptions, export_target
 
     out = tmp_path_factory.mktemp("tiny-engine") / "engine"
-    export_target(TargetExportOptions(source=str(tiny_hf), output=out, precisions=("fp32", "int8"),
+    export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32", "int8"),
                                       widths=TINY_WIDTHS))
     return out
 
@@ -48,7 +48,7 @@ def tiny_torch(tiny_hf):
 @pytest.fixture(scope="session")
 def default_engine(tmp_path_factory) -> Path:
     """The embedded default exported once (FP32, default widths)."""
-    from export import TargetExportOptions, export_target
+    from export import ExportOptions, export_target
     from export.sources import default_gguf_path, source_digest, resolve_source
 
     try:
@@ -61,5 +61,26 @@ def default_engine(tmp_path_factory) -> Path:
 
         if read_manifest(out).model.source_sha256 == source_digest(resolve_source("default")):
             return out
-    export_target(TargetExportOptions(source="default", output=out, precisions=("fp32",), overwrite=True))
+    export_target(ExportOptions(source="default", output=out, precisions=("fp32",), overwrite=True))
     return out
+
+
+def _export_draft(tmp_path_factory, tiny_hf, tiny_engine, name, keep_layers):
+    from export import ExportOptions, export_target
+
+    out = tmp_path_factory.mktemp(name) / "engine"
+    export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32",), widths=(1,),
+                                role="draft_model", keep_layers=keep_layers, target_engine=tiny_engine))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_self(tmp_path_factory, tiny_hf, tiny_engine) -> Path:
+    """The target's own weights as a draft model: greedy drafts are (almost) always accepted."""
+    return _export_draft(tmp_path_factory, tiny_hf, tiny_engine, "draft-self", None)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_poor(tmp_path_factory, tiny_hf, tiny_engine) -> Path:
+    """The target's first layer only: a deliberately poor drafter."""
+    return _export_draft(tmp_path_factory, tiny_hf, tiny_engine, "draft-poor", 1)

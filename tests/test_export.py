@@ -14,7 +14,7 @@ import pytest
 
 import dspark_edge
 from dspark_edge.errors import ExportError
-from export import TargetExportOptions, export_target
+from export import ExportOptions, export_target
 from export.target import default_hidden_layers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,34 +30,34 @@ REPO = Path(__file__).resolve().parent.parent
 ])
 def test_bad_options_rejected_before_work(tmp_path, kw, match):
     with pytest.raises(ExportError, match=match):
-        TargetExportOptions(source="default", output=tmp_path / "out", **kw)
+        ExportOptions(source="default", output=tmp_path / "out", **kw)
     assert not (tmp_path / "out").exists()
 
 
 def test_bad_source_rejected(tmp_path):
     for source, match in [(str(tmp_path / "nope"), "does not exist"), (str(tmp_path), "without config.json")]:
         with pytest.raises(ExportError, match=match):
-            export_target(TargetExportOptions(source=source, output=tmp_path / "out"))
+            export_target(ExportOptions(source=source, output=tmp_path / "out"))
     (tmp_path / "model.bin").write_bytes(b"x")
     with pytest.raises(ExportError, match="not a .gguf"):
-        export_target(TargetExportOptions(source=str(tmp_path / "model.bin"), output=tmp_path / "out"))
+        export_target(ExportOptions(source=str(tmp_path / "model.bin"), output=tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
 
 def test_existing_output_needs_overwrite(tmp_path, tiny_engine):
     with pytest.raises(ExportError, match="--overwrite"):
-        TargetExportOptions(source="default", output=tiny_engine)
+        ExportOptions(source="default", output=tiny_engine)
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "precious.txt").write_text("keep me")
     with pytest.raises(ExportError, match="not an engine folder"):
-        TargetExportOptions(source="default", output=junk, overwrite=True)
+        ExportOptions(source="default", output=junk, overwrite=True)
 
 
 def test_hidden_layers_out_of_range_leave_nothing(tmp_path, tiny_hf):
     out = tmp_path / "out"
     with pytest.raises(ExportError, match="out of range"):
-        export_target(TargetExportOptions(source=str(tiny_hf), output=out, hidden_layers=(3,)))
+        export_target(ExportOptions(source=str(tiny_hf), output=out, hidden_layers=(3,)))
     assert not out.exists()
     assert not list(tmp_path.glob(".out.*"))
 
@@ -90,7 +90,7 @@ def test_kill_9_leaves_no_engine_folder(tmp_path, tiny_hf):
     assert not out.exists()
     assert list(tmp_path.glob(".engine.partial-*")), "the staging folder should be what was left"
     # the next export cleans up after the dead one and succeeds
-    export_target(TargetExportOptions(source=str(tiny_hf), output=out, precisions=("fp32",), widths=(1, 2)))
+    export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32",), widths=(1, 2)))
     assert not list(tmp_path.glob(".engine.partial-*"))
     assert dspark_edge.load(out).generate("The", max_new_tokens=2).token_ids
 

@@ -1,0 +1,230 @@
+"""Speculative decoding on the tiny model: exactness, distribution, rollback, stops, stats."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import dspark_edge
+from dspark_edge import ConfigError, GenerationConfig
+from dspark_edge.drafters import Draft, NgramDrafter
+
+WORDS = ["The quick", "brown fox", "def add(a, b):", "return a + b", "Une phrase", "accents é è",
+         "数字 123", "symbols !@#", "Speculative decoding", "verifies them", "lazy dog."]
+PROMPTS = [" ".join(p) for p in itertools.permutations(WORDS, 2)][:60]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_engine):
+    return dspark_edge.load(tiny_engine)
+
+
+def _tie_at(pipe, prompt_ids, tokens, j) -> bool:
+    """Whether plain decoding's step j was a float tie (top-2 logit gap < 1e-4)."""
+    t = pipe.target
+    cache = t.new_cache()
+    out = t.prefill(cache, np.asarray(list(prompt_ids) + list(tokens[:j]), dtype=np.int64))
+    top2 = np.sort(out.logits[-1])[-2:]
+    return float(top2[1] - top2[0]) < 1e-4
+
+
+def _check_exact(plain, spec, prompts, n=24, **kw):
+    ties = 0
+    for prompt in prompts:
+        want = plain.generate(prompt, max_new_tokens=n, ignore_eos=True).token_ids
+        got = spec.generate(prompt, max_new_tokens=n, ignore_eos=True, **kw)
+        if got.token_ids != want:
+            j = next(i for i, (a, b) in enumerate(zip(got.token_ids, want)) if a != b)
+            assert _tie_at(plain, plain.encode_prompt(prompt), want, j), \
+                f"{prompt!r}: speculative output diverged at token {j} without a float tie"
+            ties += 1
+    return ties
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self", "poor"])
+def test_greedy_speculative_equals_plain(plain, tiny_engine, tiny_draft_self, tiny_draft_poor, drafter):
+    src = {"ngram": "ngram", "self": tiny_draft_self, "poor": tiny_draft_poor}[drafter]
+    spec = dspark_edge.load(tiny_engine, drafter=src)
+    ties = _check_exact(plain, spec, PROMPTS)
+    assert ties <= 2, f"{ties} float ties in {len(PROMPTS)} prompts"
+    r = spec.generate(PROMPTS[0], max_new_tokens=24, ignore_eos=True)
+    assert r.stats.drafter == ("ngram" if drafter == "ngram" else "draft_model")
+    assert r.stats.draft_n > 0
+
+
+def test_self_drafter_accepts_everything(tiny_engine, tiny_draft_self):
+    spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_self)
+    r = spec.generate(PROMPTS[3], max_new_tokens=40, ignore_eos=True)
+    s = r.stats
+    assert s.acceptance_rate > 0.95
+    assert s.rounds < 40 / 3  # whole blocks of 4 tokens per target pass
+    assert s.bonus_tokens > 0 and s.widths.get("4", 0) > 0
+    assert s.mean_accepted_length > 3
+
+
+def test_every_fixed_width_is_exact_and_unlisted_is_rejected(plain, tiny_engine, tiny_draft_poor):
+    spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_poor)
+    for k in (0, 1, 2, 3):
+        assert _check_exact(plain, spec, PROMPTS[:6], draft_tokens=k) <= 1
+        r = spec.generate(PROMPTS[1], max_new_tokens=16, ignore_eos=True, draft_tokens=k)
+        # k + 1 is used; narrower widths only where the token budget leaves fewer drafts
+        assert max(int(w) for w in r.stats.widths) == k + 1
+    with pytest.raises(ConfigError, match="does not list"):
+        spec.generate(PROMPTS[0], max_new_tokens=4, draft_tokens=5)
+
+
+def test_rollback_cache_equals_plain_cache(tiny_engine, tiny_draft_poor):
+    """After accepts and rejects, the KV cache holds exactly what plain prefill would."""
+    spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_poor)
+    prompt = PROMPTS[5]
+    r = spec.generate(prompt, max_new_tokens=30, ignore_eos=True)
+    assert r.stats.draft_n > r.stats.draft_n_accepted > 0, "need both accepts and rejects"
+    committed = spec.encode_prompt(prompt) + list(r.token_ids[:-1])
+    n = len(committed)
+    after = [b.numpy()[:, :, :n].copy() for b in spec._cache.buffers]
+    fresh = spec.target.new_cache()
+    spec.target.prefill(fresh, np.asarray(committed, dtype=np.int64))
+    for got, want in zip(after, (b.numpy()[:, :, :n] for b in fresh.buffers)):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_eos_inside_accepted_block_ends_there(tiny_engine, tiny_draft_self):
+    spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_self)
+    full = spec.generate(PROMPTS[2], max_new_tokens=20, ignore_eos=True)
+    assert full.stats.widths.get("4", 0) > 0
+    stop_id = full.token_ids[6]  # lands inside a block of 4 accepted drafts
+    r = spec.generate(PROMPTS[2], max_new_tokens=20, stop_token_ids=(stop_id,))
+    first = full.token_ids.index(stop_id)
+    assert r.stop_reason == "eos" and r.token_ids == full.token_ids[:first + 1]
+
+
+def test_max_new_tokens_never_exceeded(tiny_engine, tiny_draft_self):
+    spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_self)
+    for n in (1, 2, 3, 5, 9):
+        assert len(spec.generate(PROMPTS[0], max_new_tokens=n, ignore_eos=True).token_ids) == n
+
+
+def test_sampling_reproducible_with_seed(tiny_engine, tiny_draft_poor):
+    spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_poor)
+    cfg = GenerationConfig(max_new_tokens=20, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    assert spec.generate(PROMPTS[0], cfg).token_ids == spec.generate(PROMPTS[0], cfg).token_ids
+
+
+def _exact_joint(pipe, prompt_ids, top_k, depth=3):
+    """Exact probabilities of the first ``depth`` sampled tokens under the target (top-k, T=1)."""
+    from dspark_edge.sampling import probs
+
+    t = pipe.target
+    out = {}
+
+    def walk(prefix, prob):
+        if len(prefix) == depth:
+            out[tuple(prefix)] = prob
+            return
+        cache = t.new_cache()
+        logits = t.prefill(cache, np.asarray(prompt_ids + prefix, dtype=np.int64)).logits[-1]
+        p = probs(logits, 1.0, top_k, 1.0)
+        for x in np.flatnonzero(p):
+            walk(prefix + [int(x)], prob * p[x])
+
+    walk([], 1.0)
+    return out
+
+
+def _chi2_rejects(pipe, prompt, exact, n, top_k) -> bool:
+    counts = dict.fromkeys(exact, 0)
+    for seed in range(n):
+        r = pipe.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=top_k, seed=seed, ignore_eos=True)
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+    keys = [k for k in exact if exact[k] * n >= 5]
+    rest = 1.0 - sum(exact[k] for k in keys)
+    obs = [counts[k] for k in keys] + [n - sum(counts[k] for k in keys)]
+    exp = [exact[k] * n for k in keys] + [rest * n]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
+    df = len([e for e in exp if e > 0]) - 1
+    z = 3.09  # p = 0.001, Wilson-Hilferty
+    crit = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+    return chi2 > crit
+
+
+@pytest.mark.parametrize("drafter", ["poor", "ngram"])
+def test_sampled_speculative_follows_target_distribution(tiny_engine, tiny_draft_poor, drafter):
+    src = tiny_draft_poor if drafter == "poor" else NgramDrafter(min_n=1, max_n=2)
+    spec = dspark_edge.load(tiny_engine, drafter=src)
+    prompt = "The quick brown fox The quick brown"
+    exact = _exact_joint(spec, spec.encode_prompt(prompt), top_k=4)
+    assert not _chi2_rejects(spec, prompt, exact, 3000, 4)
+
+
+def test_distribution_check_catches_a_wrong_acceptance_rule(tiny_engine, tiny_draft_poor, monkeypatch):
+    """The chi-square check has teeth: accepting every draft (a wrong rule) is caught."""
+    import dspark_edge.pipeline as pl
+    from dspark_edge.verify import VerifyOutcome, verify_sampling
+
+    def always_accept(drafts, q, logits, t, k, p, rng):
+        full = verify_sampling(drafts[:0], None, logits[-1:], t, k, p, rng)
+        return VerifyOutcome(len(drafts), tuple(int(x) for x in drafts) + full.tokens, True)
+
+    monkeypatch.setattr(pl, "verify_sampling", always_accept)
+    spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_poor)
+    prompt = "The quick brown fox The quick brown"
+    exact = _exact_joint(spec, spec.encode_prompt(prompt), top_k=4)
+    assert _chi2_rejects(spec, prompt, exact, 3000, 4)
+
+
+class _Broken:
+    name = "broken"
+
+    def begin(self, prompt_ids):
+        pass
+
+    def propose(self, request, rng):
+        raise RuntimeError("drafter crashed")
+
+    def feedback(self, drafted, accepted, committed):
+        pass
+
+
+def test_failing_drafter_falls_back_to_plain(plain, tiny_engine):
+    spec = dspark_edge.load(tiny_engine, drafter=_Broken())
+    r = spec.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True)
+    assert r.stats.drafter_disabled and "drafter crashed" in r.stats.drafter_disabled
+    assert r.token_ids == plain.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True).token_ids
+
+
+def test_stats_are_consistent(tiny_engine):
+    spec = dspark_edge.load(tiny_engine, drafter="ngram")
+    r = spec.generate("The quick brown fox The quick brown fox The quick", max_new_tokens=40, ignore_eos=True)
+    s = r.stats
+    assert sum(s.widths.values()) == s.rounds
+    assert s.rounds + s.draft_n_accepted == len(r.token_ids) - 1  # each round adds accepted + 1
+    assert sum(int(k) * v for k, v in s.accept_length_hist.items()) == s.draft_n_accepted
+    assert all(0.0 <= a <= 1.0 for a in s.acceptance_per_position)
+
+
+def test_speculative_off_is_plain(tiny_engine):
+    spec = dspark_edge.load(tiny_engine, drafter="ngram")
+    r = spec.generate(PROMPTS[0], max_new_tokens=10, speculative=False)
+    assert r.stats.draft_n == 0 and set(r.stats.widths) == {"1"} and r.stats.drafter == "none"
+
+
+def test_draft_model_with_other_tokenizer_rejected(tiny_engine, tiny_draft_poor, tmp_path):
+    import json
+    import shutil
+
+    from dspark_edge.errors import EngineError
+    from dspark_edge.manifest import file_entry, read_manifest, write_manifest
+    from dataclasses import replace
+
+    bad = tmp_path / "draft"
+    shutil.copytree(tiny_draft_poor, bad)
+    tok = json.loads((bad / "tokenizer.json").read_text())
+    tok["added_tokens"][0]["content"] = "<|other|>"
+    (bad / "tokenizer.json").write_text(json.dumps(tok))
+    m = read_manifest(bad)
+    write_manifest(replace(m, files=tuple(file_entry(bad, f.path) if f.path == "tokenizer.json" else f
+                                          for f in m.files)), bad)
+    with pytest.raises(EngineError, match="different tokenizer"):
+        dspark_edge.load(tiny_engine, drafter=bad)
