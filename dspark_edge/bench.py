@@ -94,3 +94,51 @@ def verify_cost_curve(target: DecoderModel, depth: int = 128, repeats: int = 15,
     base = ms[min(ms)]
     return {"depth": depth, "repeats": repeats, "median_ms": {str(w): v for w, v in ms.items()},
             "relative_to_width_1": {str(w): round(v / base, 3) for w, v in ms.items()}}
+
+
+def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str, object, dict]],
+                  max_new_tokens: int = 128, progress=None) -> dict:
+    """Interleaved comparison: for each prompt, every variant (name, drafter, config overrides)
+    runs back to back, greedy, exactly ``max_new_tokens`` tokens. The first variant is the
+    baseline: speedups are relative to it, and ``exact`` counts prompts whose tokens equal it."""
+    base_cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
+    rows: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+    warm = prompts[0].get("messages") or prompts[0]["prompt"]
+    for _, drafter, overrides in variants:
+        pipe.drafter = drafter
+        pipe.generate(warm, base_cfg, **overrides)
+    for i, rec in enumerate(prompts):
+        prompt = rec.get("messages") or rec["prompt"]
+        baseline = None
+        for name, drafter, overrides in variants:
+            pipe.drafter = drafter
+            r = pipe.generate(prompt, base_cfg, **overrides)
+            baseline = baseline or r.token_ids
+            s = r.stats
+            rows[name].append({"id": rec["id"], "category": rec["category"], "tokens_per_s": s.tokens_per_s,
+                               "decode_s": s.decode_s, "new_tokens": s.new_tokens, "rounds": s.rounds,
+                               "draft_n": s.draft_n, "draft_n_accepted": s.draft_n_accepted,
+                               "exact": r.token_ids == baseline})
+        if progress:
+            progress(i + 1, len(prompts), {n: rows[n][-1]["tokens_per_s"] for n in rows})
+    summary = {}
+    base_rate = None
+    for name, rs in rows.items():
+        tokens = sum(r["new_tokens"] - 1 for r in rs)
+        rate = tokens / sum(r["decode_s"] for r in rs)
+        base_rate = base_rate or rate
+        drafted = sum(r["draft_n"] for r in rs)
+        accepted = sum(r["draft_n_accepted"] for r in rs)
+        rounds = sum(r["rounds"] for r in rs)
+        per_cat: dict[str, list[float]] = {}
+        for r in rs:
+            per_cat.setdefault(r["category"], []).append(r["tokens_per_s"])
+        summary[name] = {
+            "tokens_per_s": round(rate, 2), "speedup": round(rate / base_rate, 3),
+            "acceptance": round(accepted / drafted, 3) if drafted else None,
+            "mean_accepted_length": round((accepted + rounds) / rounds, 3) if rounds else None,
+            "exact_prompts": f"{sum(r['exact'] for r in rs)}/{len(rs)}",
+            "tokens_per_s_by_category": {c: round(statistics.mean(v), 2) for c, v in per_cat.items()},
+        }
+    pipe.drafter = None
+    return {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "variants": summary}

@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     b.add_argument("--depth", type=int, default=128, help="cached positions for the verify cost curve")
     b.add_argument("--repeats", type=int, default=15, help="timed repeats per width for the verify curve")
+    b.add_argument("--drafter", default=None,
+                   help="compare plain decoding with this drafter ('ngram' or a draft-model engine folder), "
+                        "interleaved per prompt, at every listed draft length")
+    b.add_argument("--draft-tokens", default=None,
+                   help="comma-separated draft lengths to compare (default: every listed width - 1)")
 
     i = sub.add_parser("inspect", help="print an engine folder's manifest summary (or --json)")
     i.add_argument("--engine", required=True)
@@ -104,12 +109,27 @@ def cmd_bench(args) -> int:
     def progress(done, total, row):
         print(f"[bench] {done}/{total} {row['id']}: {row['tokens_per_s']} tok/s", file=sys.stderr, flush=True)
 
-    gen = bench_generation(pipe, prompts, args.max_new_tokens, progress=progress)
-    curve = verify_cost_curve(pipe.target, depth=args.depth, repeats=args.repeats)
     m = pipe.manifest
-    print(json.dumps({"engine": str(args.engine), "model": m.model.name, "precision": pipe.target.precision,
-                      "providers": list(pipe.target.session.providers), "generation": gen,
-                      "verify_cost": curve}, indent=2))
+    report = {"engine": str(args.engine), "model": m.model.name, "precision": pipe.target.precision,
+              "providers": list(pipe.target.session.providers)}
+    if args.drafter:
+        from .bench import bench_compare
+        from .drafters import create
+
+        drafter = create(args.drafter, m, verify_hashes=not args.no_verify_hashes)
+        ks = [int(k) for k in args.draft_tokens.split(",")] if args.draft_tokens else \
+            [w - 1 for w in pipe.target.widths if w > 1]
+        variants = [("plain", None, {})] + [(f"{drafter.name} k={k}", drafter, {"draft_tokens": k}) for k in ks]
+
+        def progress_cmp(done, total, rates):
+            print(f"[bench] {done}/{total} " + ", ".join(f"{n}: {v:.1f}" for n, v in rates.items()),
+                  file=sys.stderr, flush=True)
+
+        report["comparison"] = bench_compare(pipe, prompts, variants, args.max_new_tokens, progress=progress_cmp)
+    else:
+        report["generation"] = bench_generation(pipe, prompts, args.max_new_tokens, progress=progress)
+    report["verify_cost"] = verify_cost_curve(pipe.target, depth=args.depth, repeats=args.repeats)
+    print(json.dumps(report, indent=2))
     return 0
 
 

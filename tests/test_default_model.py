@@ -14,6 +14,9 @@ CHAT_PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a Python function that reverses a list."}],
     [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Why is the sky blue?"}],
+    [{"role": "user", "content": "Give a short summary of this note: Our team shipped the new search feature last "
+                                 "week. Queries are now twice as fast, but users reported that filters reset when "
+                                 "they go back a page. We will fix the filter bug first, then add search suggestions."}],
 ]
 
 
@@ -72,7 +75,10 @@ def test_greedy_equals_transformers(pipe, reference, index):
         ids = ids["input_ids"]
     assert list(ids) == pipe.encode_prompt(messages)
     with torch.no_grad():
-        out = model.generate(torch.tensor([list(ids)]), max_new_tokens=32, do_sample=False,
+        # An explicit all-ones mask: generate() would otherwise mask every prompt token equal to
+        # pad_token_id, and <|im_end|> (2) is both the pad id and part of every chat turn.
+        x = torch.tensor([list(ids)])
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
                              eos_token_id=None, pad_token_id=2)
     expected = out[0, len(ids):].tolist()
     got = pipe.generate(messages, max_new_tokens=32, ignore_eos=True)
@@ -83,3 +89,18 @@ def test_answer_is_sensible_and_ends_on_im_end(pipe):
     r = pipe.generate([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=40)
     assert "Paris" in r.text
     assert r.stop_reason == "eos" and r.token_ids[-1] == 2
+
+
+def test_speculative_ngram_exact_on_prompt_set(default_engine):
+    """Greedy n-gram speculation equals plain greedy decoding on the project's prompt set."""
+    from dspark_edge.bench import load_prompts
+
+    plain = dspark_edge.load(default_engine, verify_hashes=False)
+    spec = dspark_edge.load(default_engine, drafter="ngram", verify_hashes=False)
+    drafted = 0
+    for rec in load_prompts():
+        want = plain.generate(rec["messages"], max_new_tokens=48, ignore_eos=True)
+        got = spec.generate(rec["messages"], max_new_tokens=48, ignore_eos=True)
+        assert got.token_ids == want.token_ids, rec["id"]
+        drafted += got.stats.draft_n
+    assert drafted > 0

@@ -15,8 +15,9 @@ PROMPTS = ["The quick brown fox", "def add(a, b):", "Une phrase", "数字 123"]
 def torch_greedy(model, ids: list[int], n: int) -> list[int]:
     import torch
 
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 
