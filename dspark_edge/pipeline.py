@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +126,7 @@ class TextStream:
         self.config = config
         self.result: GenerationResult | None = None
         self.token_ids: list[int] = []
+        self.last_round: RoundInfo | None = None  # the latest target pass, for live displays
         self._cancel = threading.Event()
         self._iter = self._run()
 
@@ -237,6 +238,8 @@ class TextStream:
                     committed.append(pending)
                     committed.extend(outcome.tokens[:-1])
                     st.record(width, len(draft), outcome)
+                    self.last_round = RoundInfo(width, len(draft), outcome.accepted,
+                                                tuple(float(c) for c in draft.confidence), st.draft_n, st.accepted)
                     if drafter is not None and len(draft):
                         drafter.feedback(len(draft), outcome.accepted, committed)
                     new = list(outcome.tokens)
@@ -265,6 +268,16 @@ class TextStream:
             raise GenerationError(f"generation failed: {error}", partial=self.result)
         if len(text) > emitted:
             yield text[emitted:]
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    width: int  # verify width of this target pass
+    drafted: int
+    accepted: int
+    confidence: tuple[float, ...]  # the drafter's per-position confidence
+    draft_n_total: int  # so far in this generation
+    accepted_total: int
 
 
 class _RoundStats:

@@ -6,7 +6,8 @@
 
 The panel shows the variant in use, speed, memory, CPU load and temperature as they
 change. When stdout is not a terminal (or `rich` is missing) it prints plain lines.
-Decoding is plain (width 1) until a drafter is exported into the engine folder.
+It decodes speculatively with the model-free n-gram drafter by default (--drafter none
+for plain decoding, or a draft-model engine folder).
 """
 
 from __future__ import annotations
@@ -46,15 +47,21 @@ def device_readings(proc: psutil.Process) -> dict:
     }
 
 
-def status_lines(pipe, tokens: int, elapsed: float, first_token_s: float | None, reading: dict) -> list[tuple[str, str]]:
+def status_lines(pipe, tokens: int, elapsed: float, first_token_s: float | None, reading: dict,
+                 last=None) -> list[tuple[str, str]]:
     t = pipe.target
     rate = (tokens - 1) / (elapsed - first_token_s) if first_token_s is not None and tokens > 1 and elapsed > first_token_s else 0.0
     temp = f"{reading['temp_c']:.0f} °C" if reading["temp_c"] is not None else "no sensor"
     freq = f"{reading['freq'][0]:.0f}/{reading['freq'][1]:.0f} MHz" if reading["freq"] else "n/a"
     return [
         ("model", pipe.manifest.model.name),
-        ("variant", f"target {t.precision}, width 1 (plain decoding)"),
-        ("widths listed", ", ".join(map(str, t.widths))),
+        ("drafter", pipe.drafter.name if pipe.drafter is not None else "none (plain decoding)"),
+        ("variant", f"target {t.precision}, verify width {last.width if last else 1} of "
+                    f"{', '.join(map(str, t.widths))}"),
+        ("last round", f"{last.accepted}/{last.drafted} drafts accepted" if last else "…"),
+        ("confidence", " ".join(f"{c:.2f}" for c in last.confidence) if last and last.confidence else "—"),
+        ("acceptance", f"{last.accepted_total}/{last.draft_n_total} "
+                       f"({last.accepted_total / last.draft_n_total:.0%})" if last and last.draft_n_total else "—"),
         ("tokens", str(tokens)),
         ("speed", f"{rate:.1f} tok/s"),
         ("first token", f"{first_token_s * 1000:.0f} ms" if first_token_s is not None else "…"),
@@ -81,7 +88,7 @@ def run_once(pipe, prompt, cfg, live: bool) -> dspark_edge.GenerationResult:
         r = stream.result
         reading = device_readings(proc)
         print("  ".join(f"{k}: {v}" for k, v in status_lines(pipe, len(r.token_ids), r.stats.total_s,
-                                                                r.stats.prefill_s, reading)))
+                                                                r.stats.prefill_s, reading, stream.last_round)))
         return r
     from rich.console import Group
     from rich.live import Live
@@ -91,7 +98,7 @@ def run_once(pipe, prompt, cfg, live: bool) -> dspark_edge.GenerationResult:
 
     def render(tokens, elapsed, reading):
         table = Table.grid(padding=(0, 2))
-        for k, v in status_lines(pipe, tokens, elapsed, first, reading):
+        for k, v in status_lines(pipe, tokens, elapsed, first, reading, stream.last_round):
             table.add_row(Text(k, style="bold cyan"), v)
         return Group(Panel(Text(text), title="answer", border_style="green"),
                      Panel(table, title="device & decoder", border_style="blue"))
@@ -117,6 +124,8 @@ def main() -> int:
     ap.add_argument("--engine", default=str(DEFAULT_ENGINE), help="engine folder (default: %(default)s)")
     ap.add_argument("--precision", default=None, help="target precision (default: int8 when exported, else fp32)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
+    ap.add_argument("--drafter", default="ngram",
+                    help="'ngram' (default), 'none' for plain decoding, or a draft-model engine folder")
     ap.add_argument("--chat", action="store_true", help="interactive chat (empty line or Ctrl-D quits)")
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -133,7 +142,7 @@ def main() -> int:
     try:
         manifest = dspark_edge.read_manifest(args.engine)
         precision = args.precision or ("int8" if "int8" in manifest.precisions("target") else None)
-        pipe = dspark_edge.load(args.engine, precision)
+        pipe = dspark_edge.load(args.engine, precision, drafter=args.drafter)
         cfg = dspark_edge.GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                            seed=args.seed)
         if not args.chat:

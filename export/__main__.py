@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--target", type=Path, default=None,
                    help="the target's engine folder: the draft model's tokenizer must match it")
     d.add_argument("--keep-layers", type=int, default=None, help="keep only the first N decoder layers")
+    d.add_argument("--distill-minutes", type=float, default=0.0,
+                   help="with --keep-layers: distill the truncated model against the full one for this long "
+                        "(CPU; the target's own answers to export/data/distill_prompts.jsonl)")
     d.add_argument("--precisions", type=_str_list, default=("fp32",),
                    help="comma-separated precisions: fp32, int8, int4 (default: fp32)")
     d.add_argument("--overwrite", action="store_true", help="replace an existing engine folder (atomically)")
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             options = ExportOptions(source=args.source, output=args.output, precisions=args.precisions,
                                     widths=(1,), role="draft_model", keep_layers=args.keep_layers,
+                                    distill_minutes=args.distill_minutes,
                                     target_engine=args.target, overwrite=args.overwrite,
                                     validate=not args.no_validate)
         export_target(options, progress=lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -9,6 +9,7 @@ manifest.json last → rename into place. Any failure removes the staging folder
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import logging
 import os
@@ -60,6 +61,7 @@ class ExportOptions:
     role: str = "target"
     keep_layers: int | None = None
     target_engine: Path | None = None
+    distill_minutes: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output", Path(self.output))
@@ -69,6 +71,9 @@ class ExportOptions:
             if self.hidden_layers:
                 raise ExportError("a draft model exposes no hidden layers; drop --hidden-layers")
             object.__setattr__(self, "hidden_layers", ())
+        if self.distill_minutes < 0 or (self.distill_minutes and (self.role != "draft_model" or not self.keep_layers)):
+            raise ExportError("distillation needs a draft model made smaller with --keep-layers "
+                              f"(and minutes >= 0), got minutes={self.distill_minutes}, keep_layers={self.keep_layers}")
         if self.keep_layers is not None and self.keep_layers < 1:
             raise ExportError(f"keep_layers must be >= 1, got {self.keep_layers}")
         if self.target_engine is not None:
@@ -205,8 +210,19 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
         scratch = Path(scratch)
         say(f"[{next(n)}/{steps}] loading {source.description} as an FP32 PyTorch model")
         model, hf_tok = load_source(source)
+        extra_info: dict[str, str] = {}
+        teacher = copy.deepcopy(model) if options.distill_minutes else None
         if options.keep_layers is not None:
             _truncate(model, options.keep_layers)
+        if teacher is not None:
+            from .distill import distill
+
+            say(f"      distilling the {options.keep_layers}-layer draft against the full model for "
+                f"{options.distill_minutes:g} min")
+            report = distill(model, teacher, hf_tok, options.distill_minutes, say)
+            extra_info = {f"distill_{k}": f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in report.items()}
+            extra_info["distill_minutes"] = f"{options.distill_minutes:g}"
+            del teacher
         config = model.config
         layers = options.hidden_layers if options.hidden_layers is not None else default_hidden_layers(
             config.num_hidden_layers)
@@ -236,7 +252,7 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
         manifest = Manifest(
             schema_version=SCHEMA_VERSION,
             created_utc=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            exporter=_versions(), model=info, tokenizer=tok_info,
+            exporter={**_versions(), **extra_info}, model=info, tokenizer=tok_info,
             io=GRAPH_IO if layers else replace(GRAPH_IO, hidden_states=None), hidden_state_layers=layers,
             variants=tuple(variants), files=files)
         if options.validate:

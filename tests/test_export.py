@@ -102,3 +102,21 @@ def test_kill_9_during_overwrite_keeps_previous_folder(tmp_path, tiny_hf, tiny_e
     _export_and_kill(tiny_hf, out, ["--overwrite"])
     assert (out / "manifest.json").read_bytes() == before
     dspark_edge.load(out)  # still complete: every file matches its sha256
+
+
+def test_draft_model_distillation_lowers_kl(tmp_path, tiny_hf, tiny_engine):
+    from dspark_edge.manifest import read_manifest
+
+    out = tmp_path / "draft"
+    export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32",), widths=(1,),
+                                role="draft_model", keep_layers=1, target_engine=tiny_engine,
+                                distill_minutes=0.1))
+    info = read_manifest(out).exporter
+    assert int(info["distill_steps"]) >= 5
+    assert float(info["distill_last_kl"]) < float(info["distill_first_kl"])
+    dspark_edge.load(tiny_engine, drafter=out).generate("The", max_new_tokens=4)
+
+
+def test_distillation_needs_a_smaller_draft(tmp_path):
+    with pytest.raises(ExportError, match="keep-layers"):
+        ExportOptions(source="default", output=tmp_path / "d", role="draft_model", distill_minutes=1)
