@@ -135,7 +135,7 @@ def cmd_bench(args) -> int:
 
 def cmd_inspect(args) -> int:
     from .manifest import read_manifest, verify_files
-    from .jsonschema import to_json_dict
+    from .strict_json import to_json_dict
 
     m = read_manifest(args.engine)
     verify_files(m, args.engine, check_hashes=args.verify_hashes)

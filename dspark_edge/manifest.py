@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from .errors import EngineError, ManifestError
-from .jsonschema import from_json_dict, to_json_dict
+from .strict_json import from_json_dict, to_json_dict
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -261,3 +261,13 @@ def verify_files(manifest: Manifest, engine_dir: str | os.PathLike, paths: list[
             if digest != entry.sha256:
                 raise EngineError(f"{path} sha256 {digest[:12]}… does not match {MANIFEST_NAME} "
                                   f"({entry.sha256[:12]}…): the file is corrupted or was replaced; re-export it")
+
+
+def verify_role_files(manifest: Manifest, engine_dir: str | os.PathLike, role: str, precision: str,
+                      check_hashes: bool = True) -> None:
+    """Check the graph files one role/precision uses (with their external data) and the tokenizer."""
+    graphs = {v.file for v in manifest.variants_for(role, precision)}
+    paths = [f.path for f in manifest.files
+             if f.path in graphs or f.path == manifest.tokenizer.file
+             or any(f.path.startswith(g + ".") for g in graphs)]
+    verify_files(manifest, engine_dir, paths, check_hashes=check_hashes)

@@ -23,7 +23,7 @@ import numpy as np
 from .backends import BackendOptions
 from .config import GenerationConfig, GenerationResult, GenerationStats
 from .errors import ConfigError, DSparkError, GenerationError, PromptError
-from .manifest import Manifest, read_manifest, verify_files
+from .manifest import Manifest, read_manifest, verify_role_files
 from .decoder import DecoderModel
 from .drafters import Draft, DraftRequest, create as create_drafter
 from .sampling import choose
@@ -47,9 +47,7 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
     precision = precision or (manifest.precisions("target") or [None])[0]
-    used = sorted({v.file for v in manifest.variants_for("target", precision)} | {manifest.tokenizer.file})
-    data_files = [f.path for f in manifest.files if any(f.path.startswith(u + ".") for u in used)]
-    verify_files(manifest, engine_dir, used + data_files, check_hashes=verify_hashes)
+    verify_role_files(manifest, engine_dir, "target", precision, check_hashes=verify_hashes)
     target = DecoderModel(manifest, engine_dir, precision, backend, options)
     tokenizer = Tokenizer.from_engine(engine_dir, manifest)
     return Pipeline(manifest, engine_dir, target, tokenizer,

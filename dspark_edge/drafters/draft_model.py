@@ -17,7 +17,7 @@ import numpy as np
 from ..backends import BackendOptions
 from ..decoder import DecoderModel
 from ..errors import EngineError
-from ..manifest import Manifest, read_manifest, verify_files
+from ..manifest import Manifest, read_manifest, verify_role_files
 from ..sampling import probs, sample
 from .base import AcceptanceTracker, Draft, DraftRequest
 
@@ -49,10 +49,7 @@ class DraftModelDrafter:
                               "`python -m export draft-model`")
         check_compatible(target_manifest, manifest, engine_dir)
         precision = precision or manifest.precisions("draft_model")[0]
-        used = sorted({v.file for v in manifest.variants_for("draft_model", precision)})
-        verify_files(manifest, engine_dir, used + [f.path for f in manifest.files
-                                                   if any(f.path.startswith(u + ".") for u in used)],
-                     check_hashes=verify_hashes)
+        verify_role_files(manifest, engine_dir, "draft_model", precision, check_hashes=verify_hashes)
         self.model = DecoderModel(manifest, engine_dir, precision, options=options, role="draft_model")
         if 1 not in self.model.widths:
             raise EngineError(f"draft model {engine_dir} lists no width-1 variant")

@@ -2,7 +2,7 @@
 
 The suffix of the context (n tokens, n from ``max_n`` down to ``min_n``) is looked up among
 earlier positions of the prompt and generated text; the tokens that followed its most recent
-earlier occurrence are proposed. Indexes are updated incrementally, so a round costs
+earlier occurrence are proposed (continuing periodically when that occurrence is recent). Indexes are updated incrementally, so a round costs
 O(max_n) dictionary lookups however long the context; memory grows linearly with it.
 """
 
@@ -61,8 +61,13 @@ class NgramDrafter:
                 continue
             start = self._index[n].get(tuple(ctx[-n:]))
             if start is not None and start < len(ctx):
-                tokens = np.asarray(ctx[start:start + k], dtype=np.int64)
-                return Draft(tokens, None, self.stats.confidence(len(tokens)))
+                # Copy what followed; past the end, keep copying from the proposal itself
+                # (an overlapping copy), so a repeating pattern is continued for all k tokens.
+                out: list[int] = []
+                for i in range(k):
+                    pos = start + i
+                    out.append(ctx[pos] if pos < len(ctx) else out[pos - len(ctx)])
+                return Draft(np.asarray(out, dtype=np.int64), None, self.stats.confidence(k))
         return Draft.empty()
 
     def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:

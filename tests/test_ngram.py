@@ -1,0 +1,76 @@
+"""The n-gram (prompt lookup) drafter: proposals continue an earlier occurrence of the suffix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark_edge import ConfigError
+from dspark_edge.drafters import DraftRequest, NgramDrafter
+
+
+def req(ctx, k=4):
+    return DraftRequest(context=ctx, max_tokens=k, temperature=0.0, top_k=0, top_p=1.0)
+
+
+def test_continues_most_recent_longest_match():
+    d = NgramDrafter(min_n=1, max_n=3, max_tokens=8)
+    ctx = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    d.begin(ctx[:-1])
+    draft = d.propose(req(ctx, 3), np.random.default_rng(0))
+    assert list(draft.tokens) == [7, 8, 5]  # after the latest earlier "1 2 3"
+    assert draft.q is None and draft.confidence.shape == (3,)
+
+
+def test_no_match_gives_empty_draft():
+    d = NgramDrafter(min_n=2, max_n=3)
+    d.begin([1, 2, 3])
+    assert len(d.propose(req([1, 2, 3, 4]), np.random.default_rng(0))) == 0
+
+
+def test_bad_sizes_rejected():
+    with pytest.raises(ConfigError):
+        NgramDrafter(min_n=3, max_n=2)
+    with pytest.raises(ConfigError):
+        NgramDrafter(max_tokens=0)
+
+
+def test_context_rewrite_is_handled():
+    d = NgramDrafter(min_n=1, max_n=2)
+    d.begin([5, 6, 5])
+    assert list(d.propose(req([5, 6, 5]), np.random.default_rng(0)).tokens) == [6, 5, 6, 5]
+    # a different context (new generation without begin) re-indexes instead of mixing
+    assert list(d.propose(req([7, 8, 7]), np.random.default_rng(0)).tokens) == [8, 7, 8, 7]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 8), st.integers(1, 4))
+def test_proposals_are_earlier_continuations(ctx, k, max_n):
+    d = NgramDrafter(min_n=1, max_n=max_n, max_tokens=8)
+    d.begin(ctx[: len(ctx) // 2])
+    draft = d.propose(req(ctx, k), np.random.default_rng(0))
+    toks = list(draft.tokens)
+    assert len(toks) <= k
+    if toks:
+        # some n >= 1: the suffix occurred earlier, ending at s, and the draft continues the
+        # text from s (periodically past the end of the context)
+        def follows(s):
+            seq = list(ctx)
+            for i in range(len(toks)):
+                seq.append(seq[s + i])
+            return seq[len(ctx):] == toks
+        ok = any(ctx[s - n:s] == ctx[-n:] and follows(s)
+                 for n in range(1, max_n + 1) for s in range(n, len(ctx)))
+        assert ok
+    assert np.all((draft.confidence >= 0) & (draft.confidence <= 1))
+
+
+def test_repetitive_text_stays_bounded():
+    d = NgramDrafter()
+    ctx = [3] * 5000
+    d.begin(ctx)
+    draft = d.propose(req(ctx, 8), np.random.default_rng(0))
+    assert list(draft.tokens) == [3] * 8
+    assert all(len(ix) <= 1 for ix in d._index.values())  # one n-gram per size: memory stays flat
