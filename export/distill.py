@@ -19,10 +19,18 @@ log = logging.getLogger(__name__)
 PROMPTS = Path(__file__).resolve().parent / "data" / "distill_prompts.jsonl"
 
 
-def teacher_answers(teacher, tokenizer, max_new_tokens: int, progress) -> list[tuple[list[int], int]]:
-    """(prompt + answer ids, prompt length) for every distillation prompt."""
+def teacher_answers(teacher, tokenizer, max_new_tokens: int, progress,
+                    target_engine: Path | None = None) -> list[tuple[list[int], int]]:
+    """(prompt + answer ids, prompt length) for every distillation prompt: greedy answers of
+    the target's FP32 engine when one is given (fast, and equal to the teacher's greedy
+    output), else of the PyTorch teacher."""
     import torch
 
+    pipe = None
+    if target_engine is not None:
+        import dspark_edge
+
+        pipe = dspark_edge.load(target_engine, "fp32", verify_hashes=False)
     out = []
     records = [json.loads(line) for line in PROMPTS.read_text(encoding="utf-8").splitlines() if line.strip()]
     for i, rec in enumerate(records):
@@ -30,24 +38,29 @@ def teacher_answers(teacher, tokenizer, max_new_tokens: int, progress) -> list[t
                                             return_dict=False)
         if hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
-        x = torch.tensor([list(ids)])
-        with torch.no_grad():
-            gen = teacher.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                   do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        out.append((gen[0].tolist(), len(ids)))
-        if (i + 1) % 10 == 0 or i + 1 == len(records):
+        ids = list(ids)
+        if pipe is not None:
+            answer = list(pipe.generate(rec["messages"], max_new_tokens=max_new_tokens).token_ids)
+        else:
+            x = torch.tensor([ids])
+            with torch.no_grad():
+                gen = teacher.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                       do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            answer = gen[0, len(ids):].tolist()
+        out.append((ids + answer, len(ids)))
+        if (i + 1) % 5 == 0 or i + 1 == len(records):
             progress(f"      teacher answers {i + 1}/{len(records)}")
     return out
 
 
 def distill(student, teacher, tokenizer, minutes: float, progress, max_new_tokens: int = 96,
-            batch: int = 4, lr: float = 3e-4, seed: int = 0) -> dict:
+            batch: int = 4, lr: float = 3e-4, seed: int = 0, target_engine: Path | None = None) -> dict:
     """Train ``student`` in place for ``minutes``; returns a small report."""
     import torch
     import torch.nn.functional as F
 
     torch.manual_seed(seed)
-    data = teacher_answers(teacher, tokenizer, max_new_tokens, progress)
+    data = teacher_answers(teacher, tokenizer, max_new_tokens, progress, target_engine)
     # Teacher distributions once, as log-probs on the answer positions.
     targets = []
     with torch.no_grad():

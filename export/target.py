@@ -219,7 +219,8 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
 
             say(f"      distilling the {options.keep_layers}-layer draft against the full model for "
                 f"{options.distill_minutes:g} min")
-            report = distill(model, teacher, hf_tok, options.distill_minutes, say)
+            report = distill(model, teacher, hf_tok, options.distill_minutes, say,
+                             target_engine=options.target_engine)
             extra_info = {f"distill_{k}": f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in report.items()}
             extra_info["distill_minutes"] = f"{options.distill_minutes:g}"
             del teacher
