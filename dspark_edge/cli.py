@@ -25,11 +25,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verify-hashes", action="store_true", help="check file sizes only, not sha256 (faster start)")
 
 
-def _load(args):
+def _load(args, drafter=None):
     from .pipeline import load
 
     options = BackendOptions(intra_op_threads=args.threads, max_context=args.max_context)
-    return load(args.engine, args.precision, options=options, verify_hashes=not args.no_verify_hashes)
+    return load(args.engine, args.precision, drafter=drafter, options=options,
+                verify_hashes=not args.no_verify_hashes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +105,7 @@ def cmd_bench(args) -> int:
     from .bench import bench_generation, load_prompts, verify_cost_curve
 
     prompts = load_prompts(args.prompts)[:args.limit]
-    pipe = _load(args)
+    pipe = _load(args, drafter=args.drafter)
 
     def progress(done, total, row):
         print(f"[bench] {done}/{total} {row['id']}: {row['tokens_per_s']} tok/s", file=sys.stderr, flush=True)
@@ -114,9 +115,8 @@ def cmd_bench(args) -> int:
               "providers": list(pipe.target.session.providers)}
     if args.drafter:
         from .bench import bench_compare
-        from .drafters import create
 
-        drafter = create(args.drafter, m, verify_hashes=not args.no_verify_hashes)
+        drafter = pipe.drafter  # loaded with the target (a draft model also turns off thread spinning)
         ks = [int(k) for k in args.draft_tokens.split(",")] if args.draft_tokens else \
             [w - 1 for w in pipe.target.widths if w > 1]
         variants = [("plain", None, {})] + [(f"{drafter.name} k={k}", drafter, {"draft_tokens": k}) for k in ks]

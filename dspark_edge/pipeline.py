@@ -46,6 +46,11 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     """
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
+    if isinstance(drafter, (str, Path)) and str(drafter) not in ("ngram", "none"):
+        # Two sessions that take turns on few cores must not spin-wait: the idle one's
+        # spinning threads would steal the cores the other needs.
+        options = replace(options or BackendOptions(), allow_spinning=False)
+        log.info("draft model in use: onnxruntime thread spinning disabled for both sessions")
     precision = precision or (manifest.precisions("target") or [None])[0]
     verify_role_files(manifest, engine_dir, "target", precision, check_hashes=verify_hashes)
     target = DecoderModel(manifest, engine_dir, precision, backend, options)
