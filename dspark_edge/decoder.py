@@ -67,13 +67,17 @@ class DecoderModel:
                               f"{self.widths}; pick one of those")
         return self.session.forward(cache, ids)
 
-    def prefill(self, cache: KVCache, ids: np.ndarray, chunk: int = PREFILL_CHUNK) -> ForwardOutput:
-        """Run and commit all of ``ids``; returns the last chunk's output."""
+    def prefill(self, cache: KVCache, ids: np.ndarray, chunk: int = PREFILL_CHUNK,
+                hidden_sink: list | None = None) -> ForwardOutput:
+        """Run and commit all of ``ids``; returns the last chunk's output. With ``hidden_sink``,
+        a copy of every chunk's hidden states ([n, H * layers]) is appended to it."""
         out = None
         for start in range(0, ids.shape[0], chunk):
             part = ids[start:start + chunk]
             out = self.session.forward(cache, part)
             cache.commit(part.shape[0])
+            if hidden_sink is not None and out.hidden is not None:
+                hidden_sink.append(out.hidden.copy())
         if out is None:
             raise ConfigError("prefill needs at least one token")
         return out

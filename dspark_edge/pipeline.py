@@ -177,7 +177,9 @@ class TextStream:
         try:
             if cfg.max_new_tokens > 0:
                 committed = list(self._prompt_ids)
-                out = p.target.prefill(cache, np.asarray(committed, dtype=np.int64))
+                wants_hidden = drafter is not None and getattr(drafter, "needs_hidden", False)
+                hidden_rows: list[np.ndarray] | None = [] if wants_hidden else None
+                out = p.target.prefill(cache, np.asarray(committed, dtype=np.int64), hidden_sink=hidden_rows)
                 new = [choose(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, rng)]
                 prefill_s = time.perf_counter() - t0
                 if drafter is not None:
@@ -215,8 +217,12 @@ class TextStream:
                     if drafter is not None and k_max > 0:
                         t_d = time.perf_counter()
                         try:
+                            new_hidden = None
+                            if hidden_rows is not None:
+                                new_hidden = np.concatenate(hidden_rows) if hidden_rows else None
+                                hidden_rows.clear()
                             draft = drafter.propose(DraftRequest(committed + [pending], k_max, cfg.temperature,
-                                                                 cfg.top_k, cfg.top_p), rng)
+                                                                 cfg.top_k, cfg.top_p, new_hidden), rng)
                             failures = 0
                         except Exception as exc:  # a drafter must never take the generation down
                             failures += 1
@@ -224,7 +230,7 @@ class TextStream:
                             if failures >= MAX_DRAFTER_FAILURES:
                                 drafter_disabled = f"{failures} consecutive failures, last: {type(exc).__name__}: {exc}"
                                 log.warning("speculation disabled for this generation: %s", drafter_disabled)
-                                drafter = None
+                                drafter, hidden_rows = None, None
                         st.draft_s += time.perf_counter() - t_d
                     # The widest listed width the draft fills: an unfilled width is never padded.
                     width = max(w for w in widths_listed if w <= len(draft) + 1)
@@ -238,6 +244,8 @@ class TextStream:
                                                   cfg.top_k, cfg.top_p, rng)
                     st.verify_s += time.perf_counter() - t_v
                     cache.commit(1 + outcome.accepted)  # the anchor and the accepted drafts
+                    if hidden_rows is not None and out.hidden is not None:
+                        hidden_rows.append(out.hidden[:1 + outcome.accepted].copy())
                     committed.append(pending)
                     committed.extend(outcome.tokens[:-1])
                     st.record(width, len(draft), outcome)

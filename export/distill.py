@@ -85,7 +85,7 @@ def distill(student, teacher, tokenizer, minutes: float, progress, max_new_token
             logits = student(torch.tensor([seq])).logits[0, plen - 1:-1]
             loss = F.kl_div(F.log_softmax(logits, dim=-1), targets[i], log_target=True, reduction="batchmean")
             (loss / batch).backward()
-            total += float(loss) / batch
+            total += float(loss.detach()) / batch
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1

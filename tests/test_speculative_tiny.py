@@ -228,3 +228,40 @@ def test_draft_model_with_other_tokenizer_rejected(tiny_engine, tiny_draft_poor,
                                           for f in m.files)), bad)
     with pytest.raises(EngineError, match="different tokenizer"):
         dspark_edge.load(tiny_engine, drafter=bad)
+
+
+class _HiddenRecorder:
+    """Proposes nothing useful (always token 0) but records the hidden states it is given."""
+
+    name = "recorder"
+    needs_hidden = True
+
+    def __init__(self):
+        self.rows = []
+        self.contexts = []
+
+    def begin(self, prompt_ids):
+        self.rows, self.contexts = [], []
+
+    def propose(self, request, rng):
+        if request.new_hidden is not None:
+            self.rows.append(request.new_hidden)
+        self.contexts.append(list(request.context))
+        k = min(2, request.max_tokens)
+        return Draft(np.zeros(k, dtype=np.int64), None, np.full(k, 0.5))
+
+    def feedback(self, drafted, accepted, committed):
+        pass
+
+
+def test_hidden_states_of_committed_positions_reach_the_drafter(tiny_engine):
+    rec = _HiddenRecorder()
+    spec = dspark_edge.load(tiny_engine, drafter=rec)
+    spec.generate(PROMPTS[4], max_new_tokens=12, ignore_eos=True)
+    got = np.concatenate(rec.rows)
+    committed = rec.contexts[-1][:-1]  # everything before the last anchor
+    assert got.shape[0] == len(committed)
+    fresh = spec.target.new_cache()
+    sink = []
+    spec.target.prefill(fresh, np.asarray(committed, dtype=np.int64), hidden_sink=sink)
+    np.testing.assert_allclose(got, np.concatenate(sink), atol=1e-3)

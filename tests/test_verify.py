@@ -68,7 +68,9 @@ def test_residual_excludes_rejected_token():
 
 def test_zero_residual_falls_back_to_p():
     """q == p: the residual is empty; a rejection (impossible here, but guarded) draws from p."""
-    logits = np.log(np.array([[0.5, 0.5] + [0.0] * (V - 2), [1.0] + [0.0] * (V - 1)], dtype=np.float64))
+    logits = np.full((2, V), NEG)
+    logits[0, :2] = np.log(0.5)
+    logits[1, 0] = 0.0
     q = np.exp(logits[:1])
     o = verify_sampling(np.array([0]), q, logits.astype(np.float32), 1.0, 0, 1.0, np.random.default_rng(1))
     assert o.accepted == 1

@@ -36,17 +36,22 @@ class Draft:
 @dataclass(frozen=True)
 class DraftRequest:
     """What a drafter needs for one round. ``context`` is every committed token plus the
-    pending one (the anchor, whose K/V the target has not seen yet)."""
+    pending one (the anchor, whose K/V the target has not seen yet). For a drafter whose
+    ``needs_hidden`` is true, ``new_hidden`` holds the target's exposed hidden states
+    ([n, H * layers]) of the positions committed since its previous request (since ``begin``
+    for the first), in order; otherwise it is None."""
 
     context: Sequence[int]
     max_tokens: int
     temperature: float
     top_k: int
     top_p: float
+    new_hidden: np.ndarray | None = None
 
 
 class Drafter(Protocol):
     name: str
+    needs_hidden: bool  # wants the target's hidden states of committed positions
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """A new generation starts from ``prompt_ids``."""

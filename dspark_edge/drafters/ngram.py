@@ -18,6 +18,7 @@ from .base import AcceptanceTracker, Draft, DraftRequest
 
 class NgramDrafter:
     name = "ngram"
+    needs_hidden = False
 
     def __init__(self, min_n: int = 1, max_n: int = 4, max_tokens: int = 8) -> None:
         if not 1 <= min_n <= max_n:
