@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=15, help="timed repeats per width for the verify curve")
     b.add_argument("--drafter", default=None,
                    help="compare plain decoding with this drafter ('ngram' or a draft-model engine folder), "
-                        "interleaved per prompt, at every listed draft length")
+                        "interleaved per prompt: draft length chosen per round by min_survival ('auto') "
+                        "and fixed at every listed draft length")
     b.add_argument("--draft-tokens", default=None,
                    help="comma-separated draft lengths to compare (default: every listed width - 1)")
 
@@ -119,7 +120,8 @@ def cmd_bench(args) -> int:
         drafter = pipe.drafter  # loaded with the target (a draft model also turns off thread spinning)
         ks = [int(k) for k in args.draft_tokens.split(",")] if args.draft_tokens else \
             [w - 1 for w in pipe.target.widths if w > 1]
-        variants = [("plain", None, {})] + [(f"{drafter.name} k={k}", drafter, {"draft_tokens": k}) for k in ks]
+        variants = [("plain", None, {}), (f"{drafter.name} auto", drafter, {})] + \
+                   [(f"{drafter.name} k={k}", drafter, {"draft_tokens": k}) for k in ks]
 
         def progress_cmp(done, total, rates):
             print(f"[bench] {done}/{total} " + ", ".join(f"{n}: {v:.1f}" for n, v in rates.items()),

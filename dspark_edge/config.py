@@ -18,7 +18,10 @@ class GenerationConfig:
     top_k = 0 and top_p = 1 disable those filters. ``stop`` strings end the text before the
     match; ``stop_token_ids`` add to the model's own end-of-turn ids (``ignore_eos`` disables
     both, for benchmarks). ``draft_tokens`` fixes the drafts verified per round: the verify
-    width ``draft_tokens + 1`` must be one the engine lists. ``context_policy``:
+    width ``draft_tokens + 1`` must be one the engine lists. Otherwise a round keeps draft j
+    while the survival of the drafts before it, prod(c_1..c_{j-1}) of the drafter's
+    confidences, is at least ``min_survival`` (0 keeps every draft). The rule never looks at
+    draft j's own confidence, so sampling stays lossless. ``context_policy``:
     "error" rejects a prompt that does not fit the context, "truncate" keeps its tail.
     """
 
@@ -32,9 +35,12 @@ class GenerationConfig:
     context_policy: Literal["error", "truncate"] = "error"
     ignore_eos: bool = False  # benchmarks: always decode max_new_tokens
     speculative: bool = True  # False: plain decoding even when the pipeline has a drafter
-    draft_tokens: int | None = None  # drafts per round (verify width - 1); None: the widest listed
+    draft_tokens: int | None = None  # drafts per round (verify width - 1); None: by min_survival
+    min_survival: float = 0.3  # keep draft j while the drafter's survival prod(c_1..c_{j-1}) >= this
 
     def __post_init__(self) -> None:
+        if not isinstance(self.min_survival, (int, float)) or not 0.0 <= self.min_survival <= 1.0:
+            raise ConfigError(f"min_survival must be in [0, 1], got {self.min_survival!r}")
         if self.draft_tokens is not None and (isinstance(self.draft_tokens, bool)
                                               or not isinstance(self.draft_tokens, int) or self.draft_tokens < 0):
             raise ConfigError(f"draft_tokens must be an integer >= 0 or None, got {self.draft_tokens!r}")

@@ -232,6 +232,8 @@ class TextStream:
                                 log.warning("speculation disabled for this generation: %s", drafter_disabled)
                                 drafter, hidden_rows = None, None
                         st.draft_s += time.perf_counter() - t_d
+                    if cfg.draft_tokens is None and len(draft) > 1:
+                        draft = draft.trimmed(_survival_cut(draft.confidence, cfg.min_survival))
                     # The widest listed width the draft fills: an unfilled width is never padded.
                     width = max(w for w in widths_listed if w <= len(draft) + 1)
                     draft = draft.trimmed(width - 1)
@@ -320,6 +322,16 @@ class _RoundStats:
                                draft_n_accepted=self.accepted, accept_length_hist=self.hist,
                                acceptance_per_position=per_pos, bonus_tokens=self.bonus,
                                draft_s=self.draft_s, verify_s=self.verify_s, **kw)
+
+
+def _survival_cut(confidence: np.ndarray, min_survival: float) -> int:
+    """How many drafts to keep: draft j (1-based) stays while prod(c_1..c_{j-1}) >= min_survival.
+
+    Draft 1 always stays; the decision for draft j uses only the confidences before it
+    (the early stop that keeps rejection sampling lossless)."""
+    survival = np.cumprod(confidence[:-1])
+    below = np.flatnonzero(survival < min_survival)
+    return int(below[0]) + 1 if below.size else int(confidence.shape[0])
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -56,7 +56,7 @@ def test_greedy_speculative_equals_plain(plain, tiny_engine, tiny_draft_self, ti
 
 def test_self_drafter_accepts_everything(tiny_engine, tiny_draft_self):
     spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_self)
-    r = spec.generate(PROMPTS[3], max_new_tokens=40, ignore_eos=True)
+    r = spec.generate(PROMPTS[3], max_new_tokens=40, ignore_eos=True, min_survival=0.0)
     s = r.stats
     assert s.acceptance_rate > 0.95
     assert s.rounds < 40 / 3  # whole blocks of 4 tokens per target pass
@@ -92,10 +92,10 @@ def test_rollback_cache_equals_plain_cache(tiny_engine, tiny_draft_poor):
 
 def test_eos_inside_accepted_block_ends_there(tiny_engine, tiny_draft_self):
     spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_self)
-    full = spec.generate(PROMPTS[2], max_new_tokens=20, ignore_eos=True)
+    full = spec.generate(PROMPTS[2], max_new_tokens=20, ignore_eos=True, min_survival=0.0)
     assert full.stats.widths.get("4", 0) > 0
     stop_id = full.token_ids[6]  # lands inside a block of 4 accepted drafts
-    r = spec.generate(PROMPTS[2], max_new_tokens=20, stop_token_ids=(stop_id,))
+    r = spec.generate(PROMPTS[2], max_new_tokens=20, stop_token_ids=(stop_id,), min_survival=0.0)
     first = full.token_ids.index(stop_id)
     assert r.stop_reason == "eos" and r.token_ids == full.token_ids[:first + 1]
 
@@ -265,3 +265,24 @@ def test_hidden_states_of_committed_positions_reach_the_drafter(tiny_engine):
     sink = []
     spec.target.prefill(fresh, np.asarray(committed, dtype=np.int64), hidden_sink=sink)
     np.testing.assert_allclose(got, np.concatenate(sink), atol=1e-3)
+
+
+@pytest.mark.parametrize("conf, floor, keep", [
+    ([0.9, 0.9, 0.9, 0.9], 0.5, 4),   # survival 0.9, 0.81, 0.73 before drafts 2-4
+    ([0.6, 0.6, 0.6], 0.5, 2),        # 0.6 ≥ 0.5 keeps draft 2; 0.36 < 0.5 drops draft 3
+    ([0.1, 0.9, 0.9], 0.5, 1),        # draft 1 always stays
+    ([0.2, 0.2], 0.0, 2),             # floor 0 keeps everything
+    ([0.4], 0.9, 1),
+])
+def test_survival_cut(conf, floor, keep):
+    from dspark_edge.pipeline import _survival_cut
+
+    assert _survival_cut(np.asarray(conf), floor) == keep
+
+
+def test_survival_cut_ignores_the_last_drafts_own_confidence():
+    from dspark_edge.pipeline import _survival_cut
+
+    a = _survival_cut(np.asarray([0.9, 0.9, 0.01]), 0.5)
+    b = _survival_cut(np.asarray([0.9, 0.9, 0.99]), 0.5)
+    assert a == b == 3
