@@ -13,7 +13,6 @@ for plain decoding, or a draft-model engine folder).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path

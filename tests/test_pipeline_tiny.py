@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import dspark_edge
-from dspark_edge import ConfigError, GenerationConfig, PromptError
+from dspark_edge import ConfigError, PromptError
 from dspark_edge.manifest import read_manifest
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Une phrase", "数字 123"]
