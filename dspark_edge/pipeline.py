@@ -76,7 +76,7 @@ class Pipeline:
     # -- prompts ----------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt (used as is) or of chat messages (through the chat template)."""
-        if isinstance(prompt, str):
+        if isinstance(prompt, (str, bytes, bytearray)):
             if not prompt.strip():
                 raise PromptError("prompt is empty or whitespace only: give some text or chat messages")
             ids = self.tokenizer.encode(prompt)

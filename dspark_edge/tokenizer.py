@@ -43,8 +43,15 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special-token strings in it are recognised. BOS is added
         only when the model wants it (``add_bos`` in the manifest)."""
+        if isinstance(text, (bytes, bytearray)):
+            raise PromptError("prompt is bytes: decode it to str first, e.g. data.decode('utf-8', errors='replace')")
         if not isinstance(text, str):
             raise PromptError(f"prompt must be a string, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PromptError(f"prompt is not valid Unicode at character {exc.start} (a lone surrogate, as left by "
+                              "decoding bytes with errors='surrogateescape'); decode with errors='replace'") from exc
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if self.info.add_bos and self.info.bos_id is not None and (not ids or ids[0] != self.info.bos_id):
             ids = [self.info.bos_id] + ids

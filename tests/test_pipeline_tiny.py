@@ -100,10 +100,16 @@ def test_chat_prompt_uses_template(pipe):
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.mark.parametrize("bad", ["", "   \n", [], [{"role": "wizard", "content": "x"}], [{"content": "x"}]])
-def test_bad_prompts_rejected(pipe, bad):
-    with pytest.raises(PromptError):
+@pytest.mark.parametrize("bad, match", [
+    ("", "empty"), ("   \n", "whitespace"), ([], "non-empty list"),
+    ([{"role": "wizard", "content": "x"}], "role 'wizard'"), ([{"content": "x"}], "exactly 'role' and 'content'"),
+    ([{"role": "user", "content": 3}], "content must be a string"),
+    (b"\xff\xfe bytes", "decode it to str"), ("ab\udcffc", "not valid Unicode"),
+])
+def test_bad_prompts_rejected(pipe, bad, match):
+    with pytest.raises(PromptError, match=match):
         pipe.generate(bad)
+    assert pipe.generate("The quick", max_new_tokens=2).token_ids  # still usable
 
 
 @pytest.mark.parametrize("kw", [dict(max_new_tokens=-1), dict(temperature=-0.5), dict(top_p=0.0),
