@@ -23,12 +23,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: onnxruntime's choice)")
     p.add_argument("--max-context", type=int, default=2048, help="KV cache size in tokens (default: %(default)s)")
     p.add_argument("--no-verify-hashes", action="store_true", help="check file sizes only, not sha256 (faster start)")
+    p.add_argument("--providers", default="CPUExecutionProvider",
+                   help="comma-separated onnxruntime execution providers in priority order (default: %(default)s); "
+                        "an unavailable one is an error unless --fallback-to-cpu")
+    p.add_argument("--fallback-to-cpu", action="store_true",
+                   help="use the CPU provider (logged) when a requested provider is unavailable")
 
 
 def _load(args, drafter=None):
     from .pipeline import load
 
-    options = BackendOptions(intra_op_threads=args.threads, max_context=args.max_context)
+    options = BackendOptions(providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
+                             intra_op_threads=args.threads, max_context=args.max_context,
+                             fallback_to_cpu=args.fallback_to_cpu)
     return load(args.engine, args.precision, drafter=drafter, options=options,
                 verify_hashes=not args.no_verify_hashes)
 

@@ -34,6 +34,11 @@ def test_bad_input_exits_2_with_a_clear_message(tiny_engine, tmp_path):
     assert p.returncode == 2 and "does not exist" in p.stderr and "Traceback" not in p.stderr
     p = run("generate", "--engine", str(tiny_engine), "hi", "--temperature", "-1")
     assert p.returncode == 2 and "temperature" in p.stderr
+    p = run("generate", "--engine", str(tiny_engine), "hi", "--providers", "CUDAExecutionProvider")
+    assert p.returncode == 2 and "not available in this onnxruntime build" in p.stderr
+    p = run("generate", "--engine", str(tiny_engine), "hi", "--max-new-tokens", "2",
+            "--providers", "CUDAExecutionProvider", "--fallback-to-cpu")
+    assert p.returncode == 0, p.stderr
 
 
 def test_inspect(tiny_engine):
