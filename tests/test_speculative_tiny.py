@@ -9,7 +9,7 @@ import pytest
 
 import dspark_edge
 from dspark_edge import ConfigError, GenerationConfig
-from dspark_edge.drafters import Draft, NgramDrafter
+from dspark_edge.drafters import Draft, DraftRequest, NgramDrafter
 
 WORDS = ["The quick", "brown fox", "def add(a, b):", "return a + b", "Une phrase", "accents é è",
          "数字 123", "symbols !@#", "Speculative decoding", "verifies them", "lazy dog."]
@@ -286,3 +286,18 @@ def test_survival_cut_ignores_the_last_drafts_own_confidence():
     a = _survival_cut(np.asarray([0.9, 0.9, 0.01]), 0.5)
     b = _survival_cut(np.asarray([0.9, 0.9, 0.99]), 0.5)
     assert a == b == 3
+
+
+def test_drafter_statistics_are_per_generation_by_default():
+    """Acceptance statistics steer the draft length and so the random stream: by default they
+    restart with each generation, so a seed reproduces its output whatever ran before."""
+    ctx = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    for learn in (False, True):
+        d = NgramDrafter(learn_across_generations=learn)
+        d.begin(ctx)
+        fresh = d.propose(DraftRequest(ctx, 4, 1.0, 0, 1.0), np.random.default_rng(0)).confidence.copy()
+        for _ in range(20):
+            d.feedback(4, 4, ctx)  # a history of full accepts
+        d.begin(ctx)
+        again = d.propose(DraftRequest(ctx, 4, 1.0, 0, 1.0), np.random.default_rng(0)).confidence
+        assert np.array_equal(again, fresh) == (not learn)

@@ -42,7 +42,8 @@ class DraftModelDrafter:
     needs_hidden = False
 
     def __init__(self, engine_dir: str | Path, target_manifest: Manifest, precision: str | None = None,
-                 options: BackendOptions | None = None, max_tokens: int = 8, verify_hashes: bool = True) -> None:
+                 options: BackendOptions | None = None, max_tokens: int = 8, verify_hashes: bool = True,
+                 learn_across_generations: bool = False) -> None:
         engine_dir = Path(engine_dir)
         manifest = read_manifest(engine_dir)
         if not manifest.variants_for("draft_model"):
@@ -56,11 +57,14 @@ class DraftModelDrafter:
             raise EngineError(f"draft model {engine_dir} lists no width-1 variant")
         self.manifest = manifest
         self.max_tokens = max_tokens
+        self.learn_across_generations = learn_across_generations  # see NgramDrafter
         self.stats = AcceptanceTracker()
         self._cache = self.model.new_cache()
         self._tokens: list[int] = []  # tokens whose K/V are committed in the draft cache
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
+        if not self.learn_across_generations:
+            self.stats = AcceptanceTracker()
         self._cache.reset()
         self._tokens = []
 

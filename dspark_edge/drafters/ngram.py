@@ -20,18 +20,24 @@ class NgramDrafter:
     name = "ngram"
     needs_hidden = False
 
-    def __init__(self, min_n: int = 1, max_n: int = 4, max_tokens: int = 8) -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 4, max_tokens: int = 8,
+                 learn_across_generations: bool = False) -> None:
         if not 1 <= min_n <= max_n:
             raise ConfigError(f"n-gram sizes need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
         self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
+        # Acceptance statistics shape the draft length, and with it how the random stream is
+        # consumed: kept per generation by default so a seed reproduces its output.
+        self.learn_across_generations = learn_across_generations
         self.stats = AcceptanceTracker()
         self._ctx: list[int] = []
         self._index: dict[int, dict[tuple[int, ...], int]] = {}
         self._indexed = 0  # n-grams ending before this position are indexed
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
+        if not self.learn_across_generations:
+            self.stats = AcceptanceTracker()
         self._ctx = []
         self._index = {n: {} for n in range(self.min_n, self.max_n + 1)}
         self._indexed = 0
