@@ -181,14 +181,16 @@ def _truncate(model, keep: int) -> None:
         model.config.layer_types = model.config.layer_types[:keep]
 
 
-def _check_draft_tokenizer(stage: Path, target_engine: Path) -> None:
-    from dspark_edge.manifest import read_manifest, sha256_file
+def _check_draft_compatible(manifest: Manifest, target_engine: Path, output: Path) -> None:
+    """The runtime's own draft/target check, run before validation so a mismatch stops early."""
+    from dspark_edge.drafters.draft_model import check_compatible
+    from dspark_edge.errors import EngineError
+    from dspark_edge.manifest import read_manifest
 
-    target = read_manifest(target_engine)
-    mine = sha256_file(stage / "tokenizer.json")
-    if mine != target.file_entry(target.tokenizer.file).sha256:
-        raise ExportError(f"the draft model's tokenizer differs from the target's in {target_engine}: a draft "
-                          "model must use the target's tokenizer; nothing was written")
+    try:
+        check_compatible(read_manifest(target_engine), manifest, output)
+    except EngineError as exc:
+        raise ExportError(f"{exc}; nothing was written") from exc
 
 
 def export_target(options: ExportOptions, progress: Progress | None = None) -> Manifest:
@@ -245,8 +247,6 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
         say(f"[{next(n)}/{steps}] writing tokenizer and chat template")
         gen_cfg = getattr(model, "generation_config", None)
         tok_info = write_tokenizer(hf_tok, config, stage, gen_cfg)
-        if options.target_engine is not None:
-            _check_draft_tokenizer(stage, options.target_engine)
         say(f"[{next(n)}/{steps}] hashing files")
         files = tuple(file_entry(stage, p.relative_to(stage).as_posix())
                       for p in sorted(stage.rglob("*")) if p.is_file())
@@ -256,6 +256,8 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
             exporter={**_versions(), **extra_info}, model=info, tokenizer=tok_info,
             io=GRAPH_IO if layers else replace(GRAPH_IO, hidden_states=None), hidden_state_layers=layers,
             variants=tuple(variants), files=files)
+        if options.target_engine is not None:
+            _check_draft_compatible(manifest, options.target_engine, options.output)
         if options.validate:
             say(f"[{next(n)}/{steps}] validating against PyTorch ({len(VALIDATION_PROMPTS)} prompts, "
                 f"greedy 32 tokens, widest verify width {max(options.widths)})")

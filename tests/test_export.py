@@ -120,3 +120,20 @@ def test_draft_model_distillation_lowers_kl(tmp_path, tiny_hf, tiny_engine):
 def test_distillation_needs_a_smaller_draft(tmp_path):
     with pytest.raises(ExportError, match="keep-layers"):
         ExportOptions(source="default", output=tmp_path / "d", role="draft_model", distill_minutes=1)
+
+
+def test_draft_with_another_tokenizer_rejected_at_export(tmp_path, tiny_hf, tiny_engine):
+    import json as _json
+
+    other = tmp_path / "target"
+    shutil.copytree(tiny_engine, other)
+    m = _json.loads((other / "manifest.json").read_text())
+    for f in m["files"]:
+        if f["path"] == "tokenizer.json":
+            f["sha256"] = "0" * 64
+    (other / "manifest.json").write_text(_json.dumps(m))
+    out = tmp_path / "draft"
+    with pytest.raises(ExportError, match="different tokenizer.json"):
+        export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32",), widths=(1,),
+                                    role="draft_model", keep_layers=1, target_engine=other))
+    assert not out.exists() and not list(tmp_path.glob(".draft.*"))
