@@ -129,6 +129,33 @@ class ValidationResult:
 
 
 @dataclass(frozen=True)
+class DrafterInfo:
+    """A DSpark block drafter trained against this engine's target (role "drafter" variants;
+    their width is the block size, i.e. the verify width: width - 1 drafts). ``tables`` (npz:
+    vocab_ids, markov_in, markov_out, conf_w, conf_b) and ``embedding`` (npy [V, H], the target's
+    input embeddings) are read by the runtime's sequential step."""
+
+    kind: Literal["dspark"]
+    slots: int  # drafts per block the drafter was trained for
+    draft_vocab: int
+    markov_rank: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    feature_layers: tuple[int, ...]
+    temperatures: tuple[float, ...]  # sequential temperature scaling, one per draft position
+    tables: str
+    embedding: str
+    provenance: dict[str, str]
+
+    def __post_init__(self) -> None:
+        if len(self.temperatures) != self.slots:
+            raise ValueError(f"temperatures has {len(self.temperatures)} entries for {self.slots} slots")
+        if any(t <= 0 for t in self.temperatures):
+            raise ValueError("temperatures must be positive")
+
+
+@dataclass(frozen=True)
 class Manifest:
     schema_version: int
     created_utc: str
@@ -140,6 +167,7 @@ class Manifest:
     variants: tuple[Variant, ...]
     files: tuple[FileEntry, ...]
     validation: tuple[ValidationResult, ...] = field(default=())
+    drafter: DrafterInfo | None = None
 
     def __post_init__(self) -> None:
         if self.schema_version > SCHEMA_VERSION:
@@ -170,6 +198,20 @@ class Manifest:
             seen.add(key)
         if self.tokenizer.file not in known:
             raise ValueError(f"tokenizer file {self.tokenizer.file!r} is not listed in files")
+        has_drafter_variants = any(v.role == "drafter" for v in self.variants)
+        if has_drafter_variants != (self.drafter is not None):
+            raise ValueError("drafter variants and the drafter section must come together")
+        if self.drafter is not None:
+            for f in (self.drafter.tables, self.drafter.embedding):
+                if f not in known:
+                    raise ValueError(f"drafter file {f!r} is not listed in files")
+            if tuple(self.drafter.feature_layers) != tuple(self.hidden_state_layers):
+                raise ValueError(f"the drafter reads layers {list(self.drafter.feature_layers)} but the target "
+                                 f"exposes {list(self.hidden_state_layers)}")
+            for v in self.variants:
+                if v.role == "drafter" and v.width - 1 > self.drafter.slots:
+                    raise ValueError(f"drafter block {v.width} needs {v.width - 1} slots; trained for "
+                                     f"{self.drafter.slots}")
 
     # -- queries -------------------------------------------------------------------------
     def variants_for(self, role: str, precision: str | None = None, backend: str | None = None) -> list[Variant]:

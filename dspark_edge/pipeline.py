@@ -40,8 +40,9 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
          options: BackendOptions | None = None, verify_hashes: bool = True) -> "Pipeline":
     """Open an engine folder. ``precision`` defaults to the most precise one exported.
 
-    ``drafter``: None (plain decoding), "ngram" (prompt lookup), the path of a draft-model
-    engine folder, or a Drafter object. ``verify_hashes`` checks the sha256 of the files
+    ``drafter``: None (plain decoding), "dspark" / "dspark:<precision>" (the engine folder's
+    DSpark drafter), "ngram" (prompt lookup), the path of a draft-model engine folder, or a
+    Drafter object. ``verify_hashes`` checks the sha256 of the files
     this precision uses (sizes are always checked).
     """
     engine_dir = Path(engine_dir)
@@ -56,7 +57,8 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     target = DecoderModel(manifest, engine_dir, precision, backend, options)
     tokenizer = Tokenizer.from_engine(engine_dir, manifest)
     return Pipeline(manifest, engine_dir, target, tokenizer,
-                    create_drafter(drafter, manifest, options=options, verify_hashes=verify_hashes))
+                    create_drafter(drafter, manifest, options=options, verify_hashes=verify_hashes,
+                                   engine_dir=engine_dir))
 
 
 class Pipeline:

@@ -3,6 +3,8 @@
     python -m export target --source default --output engines/smollm2-135m
     python -m export draft-model --source default --keep-layers 2 --target engines/smollm2-135m \
         --output engines/smollm2-draft
+    python -m export train-drafter --target engines/smollm2-135m --output drafters/smollm2-135m
+    python -m export drafter --target engines/smollm2-135m --weights drafters/smollm2-135m
 """
 
 from __future__ import annotations
@@ -65,6 +67,37 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--overwrite", action="store_true", help="replace an existing engine folder (atomically)")
     d.add_argument("--no-validate", action="store_true", help="skip the comparison against PyTorch")
     d.add_argument("-v", "--verbose", action="store_true", help="log details")
+
+    tr = sub.add_parser("train-drafter", help="train a DSpark block drafter against a target (CPU, resumable)",
+                        description="Distil a DSpark drafter (parallel backbone + Markov head + confidence head) "
+                                    "from the target's own answers to the project's prompts, calibrate its "
+                                    "confidences, and write a drafter folder. Interrupted, it resumes from --work.")
+    tr.add_argument("--target", type=Path, required=True, help="the target's engine folder (FP32, hidden states)")
+    tr.add_argument("--output", type=Path, required=True, help="drafter folder to write (weights, report)")
+    tr.add_argument("--work", type=Path, default=Path("runs/drafter"),
+                    help="data shards, checkpoint and logs (default: %(default)s)")
+    tr.add_argument("--source", default="default", help="the target's source (as for `target`)")
+    tr.add_argument("--prompts", type=int, default=640, help="training prompts to answer (default: %(default)s)")
+    tr.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: %(default)s)")
+    tr.add_argument("--layers", type=int, default=2, help="backbone layers (default: %(default)s)")
+    tr.add_argument("--slots", type=int, default=7, help="drafts per block (default: %(default)s)")
+    tr.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default: %(default)s)")
+    tr.add_argument("--markov-rank", type=int, default=128, help="Markov head rank (default: %(default)s)")
+    tr.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: %(default)s)")
+    tr.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default: %(default)s)")
+    tr.add_argument("-v", "--verbose", action="store_true", help="log details")
+
+    dr = sub.add_parser("drafter", help="add a trained DSpark drafter to its target's engine folder",
+                        description="Export a trained drafter to ONNX (block-size variants, FP32/INT8), validate "
+                                    "it against PyTorch and list it in the target's manifest (atomically).")
+    dr.add_argument("--target", type=Path, required=True, help="the target's engine folder")
+    dr.add_argument("--weights", type=Path, required=True, help="drafter folder from `train-drafter`")
+    dr.add_argument("--blocks", type=_int_list, default=(4, 8),
+                    help="block sizes = verify widths (drafts + 1) (default: 4,8)")
+    dr.add_argument("--precisions", type=_str_list, default=("fp32", "int8"),
+                    help="drafter precisions: fp32, int8 (default: fp32,int8)")
+    dr.add_argument("--source", default="default", help="the target's source (for its embeddings and LM head)")
+    dr.add_argument("-v", "--verbose", action="store_true", help="log details")
     return parser
 
 
@@ -74,7 +107,22 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     from .target import ExportOptions, export_target
 
+    progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
+        if args.command == "train-drafter":
+            from .drafter.build import TrainDrafterOptions, train_drafter
+
+            train_drafter(TrainDrafterOptions(
+                target_engine=args.target, output=args.output, work=args.work, source=args.source,
+                prompts=args.prompts, max_new_tokens=args.max_new_tokens, layers=args.layers, slots=args.slots,
+                draft_vocab=args.draft_vocab, markov_rank=args.markov_rank, steps=args.steps, lr=args.lr),
+                progress=progress)
+            return 0
+        if args.command == "drafter":
+            from .drafter.install import install_drafter
+
+            install_drafter(args.target, args.weights, args.blocks, args.precisions, args.source, progress)
+            return 0
         if args.command == "target":
             options = ExportOptions(source=args.source, output=args.output, precisions=args.precisions,
                                     widths=args.widths, hidden_layers=args.hidden_layers,
@@ -85,12 +133,13 @@ def main(argv: list[str] | None = None) -> int:
                                     distill_minutes=args.distill_minutes,
                                     target_engine=args.target, overwrite=args.overwrite,
                                     validate=not args.no_validate)
-        export_target(options, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+        export_target(options, progress=progress)
     except DSparkError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: nothing was written", file=sys.stderr)
+        print("interrupted: nothing was written" if args.command != "train-drafter" else
+              "interrupted: run the same command again to resume", file=sys.stderr)
         return 130
     return 0
 

@@ -56,6 +56,22 @@ def resolve_providers(options: BackendOptions) -> tuple[list[str], list[dict]]:
     return chosen, chosen_opts
 
 
+def open_session(path: str, options: BackendOptions):
+    """An InferenceSession for ``path`` with the options' threads, spinning and providers."""
+    ort = _import_ort()
+    so = ort.SessionOptions()
+    if options.intra_op_threads is not None:
+        so.intra_op_num_threads = options.intra_op_threads
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.allow_spinning else "0")
+    so.log_severity_level = 3
+    providers, provider_options = resolve_providers(options)
+    try:
+        return ort.InferenceSession(path, so, providers=providers, provider_options=provider_options)
+    except Exception as exc:  # onnxruntime raises several unrelated types here
+        raise EngineError(f"onnxruntime could not load {path}: {exc}. The file may be truncated or "
+                          "corrupted, or need a newer onnxruntime; re-export the engine folder") from exc
+
+
 class OrtKVCache(KVCache):
     def __init__(self, capacity: int, buffers: list, binding) -> None:
         super().__init__(capacity)
@@ -68,19 +84,8 @@ class OrtDecoder:
 
     def __init__(self, path: str, io: GraphIO, model: ModelInfo, options: BackendOptions,
                  hidden_width: int = 0) -> None:
-        ort = _import_ort()
         self.path, self.io, self.model, self.options = path, io, model, options
-        so = ort.SessionOptions()
-        if options.intra_op_threads is not None:
-            so.intra_op_num_threads = options.intra_op_threads
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.allow_spinning else "0")
-        so.log_severity_level = 3
-        providers, provider_options = resolve_providers(options)
-        try:
-            self.session = ort.InferenceSession(path, so, providers=providers, provider_options=provider_options)
-        except Exception as exc:  # onnxruntime raises several unrelated types here
-            raise EngineError(f"onnxruntime could not load {path}: {exc}. The file may be truncated or "
-                              "corrupted, or need a newer onnxruntime; re-export the engine folder") from exc
+        self.session = open_session(path, options)
         self.providers = tuple(self.session.get_providers())
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = {o.name for o in self.session.get_outputs()}

@@ -1,5 +1,5 @@
-"""Drafters behind one protocol (``base.Drafter``): model-free n-gram lookup and an
-independent draft model. ``create`` turns a user's choice into a drafter."""
+"""Drafters behind one protocol (``base.Drafter``): the DSpark block drafter, model-free n-gram
+lookup and an independent draft model. ``create`` turns a user's choice into a drafter."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from .ngram import NgramDrafter
 __all__ = ["AcceptanceTracker", "Draft", "DraftRequest", "Drafter", "NgramDrafter", "create"]
 
 
-def create(spec, target_manifest, options=None, verify_hashes: bool = True):
-    """None/"none" → no drafter; "ngram" → NgramDrafter(); a folder path → its draft model;
-    an object with ``propose`` → used as is."""
+def create(spec, target_manifest, options=None, verify_hashes: bool = True, engine_dir=None):
+    """None/"none" → no drafter; "dspark" or "dspark:<precision>" → the engine folder's DSpark
+    drafter; "ngram" → NgramDrafter(); a folder path → its draft model; an object with
+    ``propose`` → used as is."""
     from ..errors import ConfigError
 
     if spec is None or spec == "none":
@@ -22,8 +23,16 @@ def create(spec, target_manifest, options=None, verify_hashes: bool = True):
         return spec
     if spec == "ngram":
         return NgramDrafter()
+    if isinstance(spec, str) and (spec == "dspark" or spec.startswith("dspark:")):
+        from .dspark import DSparkDrafter
+
+        if engine_dir is None:
+            raise ConfigError("the DSpark drafter lives in the target's engine folder; pass engine_dir")
+        precision = spec.partition(":")[2] or None
+        return DSparkDrafter(engine_dir, target_manifest, precision, options=options, verify_hashes=verify_hashes)
     if isinstance(spec, (str, Path)) and Path(spec).is_dir():
         from .draft_model import DraftModelDrafter
 
         return DraftModelDrafter(spec, target_manifest, options=options, verify_hashes=verify_hashes)
-    raise ConfigError(f"drafter {spec!r} is not 'none', 'ngram', a draft-model engine folder, or a Drafter object")
+    raise ConfigError(f"drafter {spec!r} is not 'none', 'dspark', 'dspark:<precision>', 'ngram', a draft-model "
+                      "engine folder, or a Drafter object")

@@ -1,0 +1,149 @@
+"""The DSpark block drafter at run time (``python -m export drafter`` puts it in the target's
+engine folder).
+
+One round: the target features of the positions committed since the last round are appended
+to the drafter's context cache inside its graph (each position once), and one pass over the
+block [anchor, mask, …] gives base logits U [γ, Vd] and hidden states h [γ, H]. Then the
+sequential step runs in numpy, left to right:
+
+    r_k = W1[x_{k-1}]                   (x_0 = anchor)
+    p_k = softmax(U_k + r_k · W2)       → x_k (argmax, or a draw for sampling)
+    c_k = σ((w · [h_k ; r_k] + b) / T_k)   calibrated confidence, known before x_k is drawn
+
+The LM head runs once per block inside the graph; the sequential step touches an r-wide row
+and an r × Vd matrix. Drafts live in the draft vocabulary (``vocab_ids``); q is returned over
+the full vocabulary (zero outside it) for lossless sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..backends import BackendOptions
+from ..errors import ConfigError, EngineError
+from ..manifest import Manifest, verify_files, verify_role_files
+from ..sampling import probs, sample
+from .base import Draft, DraftRequest
+
+log = logging.getLogger(__name__)
+
+
+def _sigmoid(x: np.ndarray | float):
+    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, dtype=np.float64)))
+
+
+def sequential_step(u: np.ndarray, h: np.ndarray, anchor: int, w1: np.ndarray, w2: np.ndarray,
+                    conf_w: np.ndarray, conf_b: float, choose) -> tuple[np.ndarray, np.ndarray]:
+    """The Markov head and the confidence logits, left to right over k slots.
+
+    u [k, Vd] base logits, h [k, H]; ``anchor`` and the returned drafts are draft-vocabulary
+    indices (Vd = outside it). ``choose(j, logits)`` picks draft j from its logits U_j + B_j.
+    Returns (drafts [k], raw confidence logits z [k]); z_j is computed from x_{j-1} only,
+    before draft j is chosen."""
+    k, hidden = h.shape
+    drafts, z = np.zeros(k, dtype=np.int64), np.zeros(k)
+    prev = anchor
+    for j in range(k):
+        row = w1[prev]
+        z[j] = float(conf_w[:hidden] @ h[j] + conf_w[hidden:] @ row) + conf_b
+        drafts[j] = prev = choose(j, u[j] + row @ w2)
+    return drafts, z
+
+
+class DSparkDrafter:
+    name = "dspark"
+    needs_hidden = True
+
+    def __init__(self, engine_dir: str | Path, manifest: Manifest, precision: str | None = None,
+                 options: BackendOptions | None = None, verify_hashes: bool = True) -> None:
+        from ..backends.ort import open_session
+
+        engine_dir = Path(engine_dir)
+        info = manifest.drafter
+        if info is None:
+            raise EngineError(f"{engine_dir} has no DSpark drafter; add one with `python -m export drafter "
+                              f"--target {engine_dir} --weights <drafter folder>`")
+        available = manifest.precisions("drafter")
+        precision = precision or available[0]
+        if precision not in available:
+            raise ConfigError(f"drafter precision {precision!r} is not in {engine_dir} (it has {available})")
+        verify_role_files(manifest, engine_dir, "drafter", precision, check_hashes=verify_hashes)
+        verify_files(manifest, engine_dir, [info.tables, info.embedding], check_hashes=verify_hashes)
+        variants = manifest.variants_for("drafter", precision, "onnxruntime")
+        self.info, self.precision = info, precision
+        self.blocks = tuple(sorted(v.width for v in variants))  # verify widths = drafts + 1
+        self.session = open_session(str(engine_dir / variants[0].file), options or BackendOptions())
+        t = np.load(engine_dir / info.tables)
+        self.vocab_ids = t["vocab_ids"].astype(np.int64)
+        self.w1, self.w2 = t["markov_in"].astype(np.float32), t["markov_out"].astype(np.float32)
+        self.conf_w, self.conf_b = t["conf_w"].astype(np.float64), float(t["conf_b"][0])
+        self.embedding = np.load(engine_dir / info.embedding, mmap_mode="r")  # only read rows are paged in
+        self.to_draft = np.full(manifest.model.vocab_size, self.vocab_ids.size, dtype=np.int64)
+        self.to_draft[self.vocab_ids] = np.arange(self.vocab_ids.size)
+        self.temperatures = np.asarray(info.temperatures, dtype=np.float64)
+        self.hidden_size = manifest.model.hidden_size
+        self.vocab_size = manifest.model.vocab_size
+        self.feature_dim = manifest.model.hidden_size * len(info.feature_layers)
+        self._shape = (info.num_kv_heads, info.head_dim)
+        self.begin(())
+
+    @property
+    def max_drafts(self) -> int:
+        return max(self.blocks) - 1
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        empty = np.zeros((self._shape[0], 0, self._shape[1]), dtype=np.float32)
+        self._past = [empty] * (2 * self.info.num_layers)
+        self._n = 0  # context positions in the cache
+
+    def _block_for(self, k: int) -> int:
+        for b in self.blocks:
+            if b - 1 >= k:
+                return b
+        return self.blocks[-1]
+
+    def base(self, new_hidden: np.ndarray | None, anchor: int, position: int, slots: int):
+        """Append the new context rows and run the block: (U [γ, Vd], h [γ, H])."""
+        rows = np.zeros((0, self.feature_dim), np.float32) if new_hidden is None else new_hidden
+        if self._n + rows.shape[0] != position:
+            raise EngineError(f"drafter context out of step: {self._n} cached + {rows.shape[0]} new positions, "
+                              f"but the anchor sits at {position}")
+        feed = {"features": np.ascontiguousarray(rows, dtype=np.float32),
+                "anchor_embedding": np.asarray(self.embedding[anchor], dtype=np.float32)[None],
+                "block_positions": np.arange(position, position + slots, dtype=np.int64)}
+        for i in range(self.info.num_layers):
+            feed[f"past_key.{i}"], feed[f"past_value.{i}"] = self._past[2 * i], self._past[2 * i + 1]
+        out = self.session.run(None, feed)
+        self._past, self._n = out[2:], position
+        return out[0], out[1]
+
+    def propose(self, request: DraftRequest, rng: np.random.Generator) -> Draft:
+        k = min(request.max_tokens, self.max_drafts)
+        anchor, position = int(request.context[-1]), len(request.context) - 1
+        block = self._block_for(k)
+        u, h = self.base(request.new_hidden, anchor, position, block - 1)
+        if k < 1:
+            return Draft.empty()
+        greedy = request.temperature == 0.0
+        qs: list[np.ndarray] = []
+
+        def choose(j: int, logits: np.ndarray) -> int:
+            if greedy:
+                return int(np.argmax(logits))
+            qd = probs(logits, request.temperature, request.top_k, request.top_p)
+            q = np.zeros(self.vocab_size)
+            q[self.vocab_ids] = qd
+            qs.append(q)
+            return sample(qd, rng)
+
+        idx, z = sequential_step(u[:k], h[:k], int(self.to_draft[anchor]), self.w1, self.w2, self.conf_w,
+                                 self.conf_b, choose)
+        conf = _sigmoid(z / self.temperatures[:k])
+        return Draft(self.vocab_ids[idx], np.stack(qs) if qs else None, conf)
+
+    def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:
+        """Nothing to learn: the confidences are calibrated offline."""

@@ -1,0 +1,1 @@
+"""The DSpark block drafter: training data, model, training, calibration, export."""

@@ -1,0 +1,203 @@
+"""``python -m export train-drafter``: data → draft vocabulary → training → calibration →
+a drafter folder (weights, config, calibration report and diagram), written atomically.
+
+The work folder keeps the data shards, the checkpoint and the logs, so an interrupted run
+(even kill -9) resumes where it stopped when started again with the same options.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dspark_edge.errors import ExportError
+
+log = logging.getLogger(__name__)
+
+WEIGHTS = "weights.npz"
+CONFIG = "drafter.json"
+
+
+@dataclass(frozen=True)
+class TrainDrafterOptions:
+    target_engine: Path
+    output: Path
+    work: Path
+    source: str = "default"
+    prompts: int = 640
+    max_new_tokens: int = 192
+    layers: int = 2
+    slots: int = 7
+    draft_vocab: int = 8192
+    markov_rank: int = 128
+    steps: int = 1500
+    seqs_per_step: int = 8
+    anchors: int = 40
+    lr: float = 6e-4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "max_new_tokens", "layers", "slots", "draft_vocab", "markov_rank", "steps",
+                     "seqs_per_step", "anchors"):
+            if getattr(self, name) < 1:
+                raise ExportError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not (self.target_engine / "manifest.json").is_file():
+            raise ExportError(f"{self.target_engine} is not an engine folder (no manifest.json); export the target "
+                              "first with `python -m export target`")
+
+
+def init_from_target(model, target) -> None:
+    """Start the drafter's layers from the target's last layers (same shapes): measured on the
+    embedded default, the first steps' cross-entropy is far lower than from a random start."""
+    import torch
+
+    src = target.model.layers[-len(model.layers):]
+    with torch.no_grad():
+        for mine, theirs in zip(model.layers, src):
+            a, m = theirs.self_attn, theirs.mlp
+            for dst, s in ((mine.q, a.q_proj), (mine.k, a.k_proj), (mine.v, a.v_proj), (mine.o, a.o_proj),
+                           (mine.gate, m.gate_proj), (mine.up, m.up_proj), (mine.down, m.down_proj)):
+                dst.weight.copy_(s.weight)
+            mine.in_norm.weight.copy_(theirs.input_layernorm.weight)
+            mine.post_norm.weight.copy_(theirs.post_attention_layernorm.weight)
+
+
+def build_model(cfg, target, vocab_ids: np.ndarray):
+    import torch
+
+    from .model import DSparkDraft
+
+    emb = target.model.embed_tokens.weight.detach()
+    head = target.lm_head.weight.detach()
+    return DSparkDraft(cfg, emb, head, torch.from_numpy(vocab_ids), target.model.norm.weight.detach())
+
+
+def save_drafter(model, folder: Path, meta: dict) -> None:
+    """weights.npz (fp16 trainable tensors + int64 vocabulary) and drafter.json."""
+    arrays = {}
+    for k, v in model.trainable_state().items():
+        a = v.detach().cpu().numpy()
+        arrays[k] = a if a.dtype.kind in "iu" else a.astype(np.float16)
+    np.savez(folder / WEIGHTS, **arrays)
+    (folder / CONFIG).write_text(json.dumps({"config": model.cfg.to_dict(), **meta}, indent=2) + "\n",
+                                 encoding="utf-8")
+
+
+def load_drafter(folder: Path, target):
+    """The trained drafter (PyTorch, FP32) from a drafter folder, around ``target``'s tables."""
+    import torch
+
+    from .model import DraftConfig
+
+    meta = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+    cfg = DraftConfig.from_dict(meta["config"])
+    w = np.load(folder / WEIGHTS)
+    model = build_model(cfg, target, w["vocab_ids"])
+    model.load_state_dict({k: torch.from_numpy(w[k].astype(np.float32) if w[k].dtype.kind == "f" else w[k])
+                           for k in w.files}, strict=True)
+    model.eval()
+    return model, meta
+
+
+def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
+    import torch
+
+    from dspark_edge.decoder import DecoderModel
+    from dspark_edge.manifest import read_manifest
+    from dspark_edge.tokenizer import Tokenizer
+
+    from ..sources import load_source, resolve_source
+    from . import calibrate
+    from .data import build_shards, load_shards
+    from .model import DraftConfig
+    from .prompts import training_prompts
+    from .train import TrainOptions, choose_draft_vocab, held_out_rounds, split, train
+
+    torch.manual_seed(opts.seed)
+    manifest = read_manifest(opts.target_engine)
+    if not manifest.hidden_state_layers:
+        raise ExportError(f"{opts.target_engine} exposes no hidden states; re-export it with --hidden-layers")
+    if "fp32" not in manifest.precisions():
+        raise ExportError(f"{opts.target_engine} has no fp32 target; the drafter learns from the FP32 target")
+    opts.work.mkdir(parents=True, exist_ok=True)
+    (opts.work / "options.json").write_text(json.dumps({k: str(v) for k, v in asdict(opts).items()}, indent=2))
+    source = resolve_source(opts.source)
+    progress(f"[1/4] loading the target ({source.description})")
+    target, _ = load_source(source)
+    prompts = training_prompts(opts.seed)
+    if opts.draft_vocab > manifest.model.vocab_size:
+        raise ExportError(f"--draft-vocab {opts.draft_vocab} exceeds the target's vocabulary ({manifest.model.vocab_size})")
+    if opts.prompts > len(prompts):
+        raise ExportError(f"--prompts {opts.prompts} exceeds the {len(prompts)} training prompts")
+    progress(f"[2/4] target answers and features for {opts.prompts} prompts (resumable)")
+    decoder = DecoderModel(manifest, opts.target_engine, "fp32")
+    tok = Tokenizer.from_engine(opts.target_engine, manifest)
+    shards = build_shards(target, decoder, tok, prompts[:opts.prompts], opts.work / "data", manifest.tokenizer.eos_ids[0],
+                          manifest.tokenizer.pad_id, opts.max_new_tokens, progress=lambda s: progress("      " + s))
+    del decoder
+    data = load_shards(shards)
+    train_ids, val_ids = split(data, seed=opts.seed)
+    vocab_path = opts.work / "vocab_ids.npy"
+    if not vocab_path.is_file():
+        np.save(vocab_path, choose_draft_vocab(data, opts.draft_vocab, manifest.model.vocab_size))
+    vocab_ids = np.load(vocab_path)
+    answer = np.concatenate([data.tokens[data.span(i)[0] + int(data.prompt_lens[i]):data.span(i)[1]] for i in val_ids])
+    coverage = float(np.isin(answer, vocab_ids).mean())
+    progress(f"      {len(data)} sequences ({data.tokens.size} tokens); draft vocabulary {vocab_ids.size} "
+             f"covers {coverage:.1%} of held-out answer tokens")
+    cfg = DraftConfig(hidden_size=target.config.hidden_size, num_heads=target.config.num_attention_heads,
+                      num_kv_heads=target.config.num_key_value_heads,
+                      head_dim=target.config.hidden_size // target.config.num_attention_heads,
+                      intermediate_size=target.config.intermediate_size, num_layers=opts.layers,
+                      feature_layers=tuple(manifest.hidden_state_layers), rms_eps=target.config.rms_norm_eps,
+                      rope_theta=float(target.config.rope_parameters["rope_theta"]), slots=opts.slots,
+                      draft_vocab=int(vocab_ids.size), markov_rank=opts.markov_rank)
+    model = build_model(cfg, target, vocab_ids)
+    init_from_target(model, target)
+    progress(f"[3/4] training {sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.1f} M "
+             f"parameters for {opts.steps} steps (log: {opts.work / 'train.log'})")
+    t0 = time.perf_counter()
+    tr_opts = TrainOptions(steps=opts.steps, seqs_per_step=min(opts.seqs_per_step, len(train_ids)),
+                           anchors=opts.anchors, lr=opts.lr, seed=opts.seed,
+                           validate_every=min(250, opts.steps), checkpoint_every=min(50, opts.steps))
+    result = train(model, data, train_ids, val_ids, opts.work, tr_opts, progress=lambda s: progress("      " + s))
+    progress("[4/4] calibrating the confidence head on held-out rounds")
+    accepted, z, _ = held_out_rounds(model, data, val_ids, cfg.slots, anchors=None)
+    half = np.random.default_rng(opts.seed).permutation(accepted.size) < accepted.size // 2
+    temps = calibrate.fit_temperatures(z[half], accepted[half])
+    rep = calibrate.report(z[~half], accepted[~half], temps)
+    rep["fit_blocks"] = int(half.sum())
+    stage = opts.output.parent / f".{opts.output.name}.partial"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    calibrate.write_report(rep, stage / "calibration.json")
+    calibrate.reliability_png(z[~half], accepted[~half], temps, stage / "reliability.png")
+    meta = {
+        "target": {"name": manifest.model.name, "source_sha256": manifest.model.source_sha256,
+                   "hidden_state_layers": list(manifest.hidden_state_layers)},
+        "temperatures": [float(t) for t in temps],
+        "training": {"command": " ".join(sys.argv), "options": {k: str(v) for k, v in asdict(opts).items()},
+                     "data": f"the target's greedy answers to {opts.prompts} project prompts "
+                             "(export/drafter/prompts.py) and its FP32 engine's teacher-forced features",
+                     "sequences": len(data), "tokens": int(data.tokens.size), "steps": result["steps"],
+                     "validation": result["history"], "draft_vocab_coverage": coverage,
+                     "minutes_this_run": round((time.perf_counter() - t0) / 60, 1)},
+    }
+    save_drafter(model, stage, meta)
+    if opts.output.exists():
+        old = opts.output.parent / f".{opts.output.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        opts.output.rename(old)
+        stage.rename(opts.output)
+        shutil.rmtree(old)
+    else:
+        stage.rename(opts.output)
+    progress(f"done: {opts.output} (held-out τ {result['history'][-1]['tau']:.2f})")
+    return opts.output

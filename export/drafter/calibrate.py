@@ -1,0 +1,131 @@
+"""Sequential temperature scaling (STS) of a drafter's confidence head, and its report.
+
+Given raw confidence logits z [N, γ] of held-out blocks and how many drafts each block had
+accepted, position k's survival is a_k = Π_{i≤k} σ(z_i / T_i) and its label is "drafts 1..k
+were all accepted". For k = 1..γ in order, T_k is the grid point that minimises the expected
+calibration error of a_k with T_1..T_{k-1} already fixed. Temperature scaling keeps the order
+of confidences; it only corrects their magnitude, which the scheduler's expected-length
+arithmetic needs. Pure numpy; the PNG needs matplotlib (the exporter's extra).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+GRID = np.exp(np.linspace(np.log(0.05), np.log(20.0), 241))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def ece(pred: np.ndarray, label: np.ndarray, bins: int = 15) -> float:
+    """Expected calibration error with equal-width bins."""
+    if pred.size == 0:
+        return float("nan")
+    idx = np.minimum((pred * bins).astype(int), bins - 1)
+    total = 0.0
+    for b in range(bins):
+        sel = idx == b
+        if sel.any():
+            total += sel.sum() * abs(pred[sel].mean() - label[sel].mean())
+    return float(total / pred.size)
+
+
+def auroc(score: np.ndarray, label: np.ndarray) -> float:
+    """Area under the ROC curve (Mann–Whitney, ties averaged); NaN when one class is absent."""
+    pos, neg = int(label.sum()), int(label.size - label.sum())
+    if pos == 0 or neg == 0:
+        return float("nan")
+    order = np.argsort(score, kind="mergesort")
+    ranks = np.empty(score.size)
+    sorted_s = score[order]
+    i = 0
+    while i < score.size:  # average ranks over ties
+        j = i
+        while j + 1 < score.size and sorted_s[j + 1] == sorted_s[i]:
+            j += 1
+        ranks[order[i:j + 1]] = 0.5 * (i + j) + 1
+        i = j + 1
+    return float((ranks[label.astype(bool)].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def survival(z: np.ndarray, temperatures: np.ndarray) -> np.ndarray:
+    """a [N, γ] = cumulative product of σ(z / T)."""
+    return np.cumprod(sigmoid(z / temperatures[None, :]), axis=1)
+
+
+def labels_of(accepted: np.ndarray, slots: int) -> np.ndarray:
+    """[N, γ] label k = accepted ≥ k (drafts 1..k all accepted)."""
+    return (accepted[:, None] >= np.arange(1, slots + 1)[None, :]).astype(np.float64)
+
+
+def fit_temperatures(z: np.ndarray, accepted: np.ndarray) -> np.ndarray:
+    """STS: T_k left to right by grid search on ECE of the survival a_k."""
+    n, slots = z.shape
+    y = labels_of(accepted, slots)
+    temps = np.ones(slots)
+    prefix = np.ones(n)
+    for k in range(slots):
+        best, best_t = np.inf, 1.0
+        for t in GRID:
+            e = ece(prefix * sigmoid(z[:, k] / t), y[:, k])
+            if e < best:
+                best, best_t = e, t
+        temps[k] = best_t
+        prefix = prefix * sigmoid(z[:, k] / best_t)
+    return temps
+
+
+def report(z: np.ndarray, accepted: np.ndarray, temperatures: np.ndarray) -> dict:
+    slots = z.shape[1]
+    y = labels_of(accepted, slots)
+    raw, cal = survival(z, np.ones(slots)), survival(z, temperatures)
+    return {
+        "blocks": int(z.shape[0]),
+        "temperatures": [float(t) for t in temperatures],
+        "positions": [{"k": k + 1, "acceptance": float(y[:, k].mean()),
+                       "ece_before": ece(raw[:, k], y[:, k]), "ece_after": ece(cal[:, k], y[:, k]),
+                       "auroc": auroc(cal[:, k], y[:, k])} for k in range(slots)],
+    }
+
+
+def reliability_png(z: np.ndarray, accepted: np.ndarray, temperatures: np.ndarray, path: Path,
+                    bins: int = 10) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slots = z.shape[1]
+    y = labels_of(accepted, slots)
+    raw, cal = survival(z, np.ones(slots)), survival(z, temperatures)
+    cols = min(slots, 4)
+    rows = (slots + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    for k in range(rows * cols):
+        ax = axes[k // cols][k % cols]
+        if k >= slots:
+            ax.axis("off")
+            continue
+        for pred, name, style in ((raw[:, k], "raw", "o--"), (cal[:, k], "calibrated", "s-")):
+            idx = np.minimum((pred * bins).astype(int), bins - 1)
+            xs = [pred[idx == b].mean() for b in range(bins) if (idx == b).any()]
+            ys = [y[idx == b, k].mean() for b in range(bins) if (idx == b).any()]
+            ax.plot(xs, ys, style, ms=3, label=f"{name} (ECE {ece(pred, y[:, k]):.3f})")
+        ax.plot([0, 1], [0, 1], color="grey", lw=0.8)
+        ax.set_title(f"survival a_{k + 1}", fontsize=9)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=6, loc="upper left")
+    fig.suptitle("Drafter confidence reliability (held-out blocks)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(rep: dict, path: Path) -> None:
+    path.write_text(json.dumps(rep, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,143 @@
+"""Training data for a DSpark drafter: the target's own greedy answers to the training prompts,
+with what the drafter learns from at every position, computed once by the frozen target:
+
+- ``aux``:  the target's hidden states at the engine's exposed layers, [T, H * layers] (fp16);
+- ``top_ids`` / ``top_logp``: the target's top-K next-token log-probabilities, [T, K].
+
+Written as shards (``shard-00000.npz`` …) of ``per_shard`` sequences, each renamed into place
+when complete, so an interrupted run resumes at the first missing shard. Nothing here knows
+about the drafter's architecture.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sequences:
+    """Concatenated training sequences: sequence i is tokens[offsets[i]:offsets[i+1]], its
+    answer starts at offsets[i] + prompt_lens[i]."""
+
+    tokens: np.ndarray  # [T] int32
+    offsets: np.ndarray  # [N+1] int64
+    prompt_lens: np.ndarray  # [N] int32
+    aux: np.ndarray  # [T, F] float16
+    top_ids: np.ndarray  # [T, K] int32
+    top_logp: np.ndarray  # [T, K] float16
+
+    def __len__(self) -> int:
+        return int(self.prompt_lens.shape[0])
+
+    def span(self, i: int) -> tuple[int, int]:
+        return int(self.offsets[i]), int(self.offsets[i + 1])
+
+
+def _shard_path(folder: Path, index: int) -> Path:
+    return folder / f"shard-{index:05d}.npz"
+
+
+def generate_answers(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int,
+                     batch: int) -> list[list[int]]:
+    """Greedy answers, batched with left padding (the attention mask keeps padding inert)."""
+    import torch
+
+    answers: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start:start + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for r, p in enumerate(chunk):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=eos_id, pad_token_id=pad_id)
+        for r in range(len(chunk)):
+            gen = out[r, width:].tolist()
+            if eos_id in gen:
+                gen = gen[:gen.index(eos_id) + 1]
+            answers[start + r] = gen
+    return answers
+
+
+def engine_features(decoder, seq: list[int], top_k: int, chunk: int = 128):
+    """Teacher-forced pass of the target's engine over ``seq``: (aux [T, F] fp16, top-K ids,
+    top-K log-probs). The engine is the one the runtime verifies with, so the drafter learns
+    exactly the features and distributions it will see."""
+    cache = decoder.new_cache()
+    ids = np.asarray(seq, dtype=np.int64)
+    aux, top_ids, top_logp = [], [], []
+    for start in range(0, ids.shape[0], chunk):
+        part = ids[start:start + chunk]
+        out = decoder.session.forward(cache, part)
+        cache.commit(part.shape[0])
+        logits = out.logits.astype(np.float32)
+        idx = np.argpartition(-logits, top_k, axis=-1)[:, :top_k]
+        vals = np.take_along_axis(logits, idx, -1)
+        order = np.argsort(-vals, axis=-1)
+        idx, vals = np.take_along_axis(idx, order, -1), np.take_along_axis(vals, order, -1)
+        m = logits.max(-1, keepdims=True)
+        lse = m + np.log(np.exp(logits - m).sum(-1, keepdims=True))
+        aux.append(out.hidden.astype(np.float16))
+        top_ids.append(idx.astype(np.int32))
+        top_logp.append((vals - lse).astype(np.float16))
+    return np.concatenate(aux), np.concatenate(top_ids), np.concatenate(top_logp)
+
+
+def build_shards(model, decoder, tokenizer, prompts: list[dict], folder: Path, eos_id: int, pad_id: int,
+                 max_new_tokens: int = 192, per_shard: int = 64, top_k: int = 16, progress=None) -> list[Path]:
+    """Write every missing shard; returns all shard paths in order. ``model`` (PyTorch) writes
+    the greedy answers in one batch per shard; ``decoder`` (the target's FP32 engine) gives the
+    features."""
+    folder.mkdir(parents=True, exist_ok=True)
+    n_shards = (len(prompts) + per_shard - 1) // per_shard
+    paths, t0, done_now = [], time.perf_counter(), 0
+    todo = [i for i in range(n_shards) if not _shard_path(folder, i).is_file()]
+    for i in range(n_shards):
+        path = _shard_path(folder, i)
+        paths.append(path)
+        if path.is_file():
+            continue
+        recs = prompts[i * per_shard:(i + 1) * per_shard]
+        prompt_ids = [tokenizer.encode_chat(r["messages"]) for r in recs]
+        answers = generate_answers(model, prompt_ids, max_new_tokens, eos_id, pad_id, per_shard)
+        seqs = [p + a for p, a in zip(prompt_ids, answers)]
+        feats = [engine_features(decoder, s, top_k) for s in seqs]
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, tokens=np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]),
+                 offsets=np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64),
+                 prompt_lens=np.asarray([len(p) for p in prompt_ids], dtype=np.int32),
+                 aux=np.concatenate([f[0] for f in feats]), top_ids=np.concatenate([f[1] for f in feats]),
+                 top_logp=np.concatenate([f[2] for f in feats]))
+        os.replace(tmp, path)
+        done_now += 1
+        if progress:
+            rate = (time.perf_counter() - t0) / done_now
+            left = rate * (len(todo) - done_now)
+            progress(f"data shard {i + 1}/{n_shards}: {sum(len(a) for a in answers)} answer tokens "
+                     f"({rate:.0f} s/shard, ETA {left / 60:.1f} min)")
+    return paths
+
+
+def load_shards(paths: list[Path]) -> Sequences:
+    parts = [np.load(p) for p in paths]
+    tokens = np.concatenate([p["tokens"] for p in parts])
+    offsets, base = [np.zeros(1, dtype=np.int64)], 0
+    for p in parts:
+        offsets.append(p["offsets"][1:] + base)
+        base += int(p["offsets"][-1])
+    return Sequences(tokens=tokens, offsets=np.concatenate(offsets),
+                     prompt_lens=np.concatenate([p["prompt_lens"] for p in parts]),
+                     aux=np.concatenate([p["aux"] for p in parts]),
+                     top_ids=np.concatenate([p["top_ids"] for p in parts]),
+                     top_logp=np.concatenate([p["top_logp"] for p in parts]))

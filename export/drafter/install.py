@@ -1,0 +1,143 @@
+"""``python -m export drafter``: put a trained DSpark drafter into its target's engine folder.
+
+Writes ``drafter-<id>/`` (the graph in each precision, ``tables.npz``, ``embedding.npy``) beside
+the target, validates the graph against PyTorch, then rewrites ``manifest.json`` atomically to
+list it, and only then removes a previous drafter folder. Interrupted at any point, the engine
+folder stays loadable: the manifest names either the old drafter or the new one, complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from dspark_edge.errors import ExportError
+from dspark_edge.manifest import DrafterInfo, Variant, file_entry, read_manifest, sha256_file, write_manifest
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "int8")
+
+
+def _validate(model, graph: Path, cfg, rng: np.random.Generator) -> dict:
+    """Two incremental rounds through the ONNX graph vs PyTorch from scratch."""
+    import onnxruntime as ort
+    import torch
+
+    from .onnx_export import reference_round
+
+    sess = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    n1, n2 = 37, 5
+    feats = torch.from_numpy(rng.standard_normal((n1 + n2, cfg.feature_dim)).astype(np.float32))
+    past = {f"past_{kv}.{i}": np.zeros((cfg.num_kv_heads, 0, cfg.head_dim), np.float32)
+            for i in range(cfg.num_layers) for kv in ("key", "value")}
+    worst_l, top1 = 0.0, []
+    n = 0
+    vocab = model.embed.shape[0]
+    for m, anchor in ((n1, 17 % vocab), (n2, 923 % vocab)):
+        feed = {"features": feats[n:n + m].numpy(),
+                "anchor_embedding": model.embed[anchor][None].numpy(),
+                "block_positions": np.arange(n + m, n + m + cfg.slots, dtype=np.int64), **past}
+        out = sess.run(None, feed)
+        n += m
+        ref_l, _ = reference_round(model, feats[:n], anchor, n, cfg.slots)
+        worst_l = max(worst_l, float(np.abs(out[0] - ref_l).max()))
+        top1.append(float((out[0].argmax(-1) == ref_l.argmax(-1)).mean()))
+        past = {f"past_{kv}.{i}": out[2 + 2 * i + (kv == "value")] for i in range(cfg.num_layers)
+                for kv in ("key", "value")}
+    return {"max_abs_logit_diff": worst_l, "top1_agreement": float(np.mean(top1))}
+
+
+def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] = (4, 8),
+                    precisions: tuple[str, ...] = PRECISIONS, source: str = "default", progress=print) -> Path:
+    from ..sources import load_source, resolve_source
+    from .build import load_drafter
+    from .onnx_export import export_onnx, quantize_int8, tables
+
+    manifest = read_manifest(target_engine)
+    bad = [p for p in precisions if p not in PRECISIONS]
+    if bad or not precisions:
+        raise ExportError(f"drafter precisions must be among {list(PRECISIONS)}, got {list(precisions)}")
+    if not (weights / "drafter.json").is_file():
+        raise ExportError(f"{weights} holds no trained drafter (drafter.json); train one with "
+                          "`python -m export train-drafter`")
+    meta = json.loads((weights / "drafter.json").read_text(encoding="utf-8"))
+    if meta["target"]["source_sha256"] != manifest.model.source_sha256:
+        raise ExportError(f"{weights} was trained against a target with source sha256 "
+                          f"{meta['target']['source_sha256'][:12]}…, but {target_engine} was exported from "
+                          f"{manifest.model.source_sha256[:12]}…; train a drafter for this target")
+    if list(meta["target"]["hidden_state_layers"]) != list(manifest.hidden_state_layers):
+        raise ExportError(f"{weights} reads target layers {meta['target']['hidden_state_layers']} but "
+                          f"{target_engine} exposes {list(manifest.hidden_state_layers)}")
+    slots = int(meta["config"]["slots"])
+    if not blocks or any(b < 2 or b - 1 > slots for b in blocks):
+        raise ExportError(f"block sizes must be in [2, {slots + 1}] for a drafter trained with {slots} slots, "
+                          f"got {list(blocks)}")
+    target_widths = set(manifest.widths("target", manifest.precisions()[0]))
+    missing = [b for b in blocks if b not in target_widths]
+    if missing:
+        raise ExportError(f"block sizes {missing} are not verify widths of {target_engine} "
+                          f"({sorted(target_widths)}); a block of b drafts+anchor is verified at width b")
+    progress(f"[1/3] loading the target ({source}) and the drafter ({weights})")
+    src = resolve_source(source)
+    target, _ = load_source(src)
+    model, meta = load_drafter(weights, target)
+    del target
+    cfg = model.cfg
+    name, n = f"drafter-{sha256_file(weights / 'weights.npz')[:8]}", 1
+    while (target_engine / name).exists():  # never overwrite what the manifest may list
+        name, n = f"drafter-{sha256_file(weights / 'weights.npz')[:8]}-{n}", n + 1
+    stage = target_engine / f".{name}.partial"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        progress(f"[2/3] exporting the graph ({', '.join(precisions)}) and tables")
+        (stage / "fp32").mkdir()
+        export_onnx(model, stage / "fp32" / "model.onnx")
+        report = {"fp32": _validate(model, stage / "fp32" / "model.onnx", cfg, np.random.default_rng(0))}
+        if report["fp32"]["max_abs_logit_diff"] > 1e-2:
+            raise ExportError(f"the exported drafter differs from PyTorch (max |Δlogit| "
+                              f"{report['fp32']['max_abs_logit_diff']:.3g}); not installing it")
+        if "int8" in precisions:
+            (stage / "int8").mkdir()
+            quantize_int8(stage / "fp32" / "model.onnx", stage / "int8" / "model.onnx")
+            report["int8"] = _validate(model, stage / "int8" / "model.onnx", cfg, np.random.default_rng(0))
+        if "fp32" not in precisions:
+            shutil.rmtree(stage / "fp32")
+        np.savez(stage / "tables.npz", **tables(model))
+        np.save(stage / "embedding.npy", model.embed.numpy().astype(np.float16))
+        (stage / "calibration.json").write_bytes((weights / "calibration.json").read_bytes())
+        progress("[3/3] validation: " + ", ".join(f"{p} max|Δlogit| {r['max_abs_logit_diff']:.2e} top-1 "
+                                                  f"{r['top1_agreement']:.0%}" for p, r in report.items()))
+        stage.rename(target_engine / name)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    rel = lambda p: f"{name}/{p}"  # noqa: E731
+    old_files = {v.file.split("/")[0] for v in manifest.variants if v.role == "drafter"}
+    keep_files = [f for f in manifest.files if f.path.split("/")[0] not in old_files]
+    new_files = [file_entry(target_engine, rel(p)) for p in
+                 [f"{pr}/model.onnx" for pr in precisions] + ["tables.npz", "embedding.npy"]]
+    variants = [v for v in manifest.variants if v.role != "drafter"] + [
+        Variant(role="drafter", width=b, precision=pr, backend="onnxruntime", file=rel(f"{pr}/model.onnx"))
+        for pr in precisions for b in sorted(blocks)]
+    training = meta["training"]
+    info = DrafterInfo(kind="dspark", slots=slots, draft_vocab=cfg.draft_vocab, markov_rank=cfg.markov_rank,
+                       num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                       feature_layers=tuple(cfg.feature_layers), temperatures=tuple(meta["temperatures"]),
+                       tables=rel("tables.npz"), embedding=rel("embedding.npy"),
+                       provenance={"weights": str(weights), "training_data": training["data"],
+                                   "training_steps": str(training["steps"]),
+                                   "validation": json.dumps(report)})
+    new = dataclasses.replace(manifest, variants=tuple(variants), files=tuple(keep_files + new_files), drafter=info)
+    write_manifest(new, target_engine)
+    for old in old_files:
+        if old != name:
+            shutil.rmtree(target_engine / old, ignore_errors=True)
+    progress(f"done: {target_engine} lists the DSpark drafter (blocks {list(blocks)}, {', '.join(precisions)})")
+    return target_engine

@@ -1,0 +1,105 @@
+"""The trained drafter to ONNX: one graph with a dynamic number of slots, listed in the
+manifest at fixed block sizes; FP32, and INT8 by dynamic quantization of its weights.
+
+Graph (per round; m new committed positions, n = anchor position, γ slots):
+    inputs   features [m, F]         target features of the newly committed positions
+             anchor_embedding [1, H] the anchor's (target's) input embedding
+             block_positions [γ]     n, n+1, …, n+γ-1  (γ and n come from here)
+             past_key.{l}, past_value.{l} [kv, n-m, D]   the context cache so far
+    outputs  logits [γ, Vd]          base logits U (the target's LM head rows)
+             hidden [γ, H]           h, for the confidence head
+             present_key.{l}, present_value.{l} [kv, n, D]  the cache with the m positions appended
+Block keys/values never leave the graph. The embedding table, the Markov head and the
+confidence head live outside it (``tables.npz`` / ``embedding.npy``): the runtime does the
+sequential step in numpy and reads one embedding row per round.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .model import DSparkDraft, rope
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    ins = ["features", "anchor_embedding", "block_positions"]
+    outs = ["logits", "hidden"]
+    for i in range(num_layers):
+        ins += [f"past_key.{i}", f"past_value.{i}"]
+        outs += [f"present_key.{i}", f"present_value.{i}"]
+    return ins, outs
+
+
+class RoundGraph(nn.Module):
+    def __init__(self, model: DSparkDraft) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, features, anchor_embedding, block_positions, *past):
+        m = self.m
+        n_new = features.shape[0]
+        ctx = m.context(features)[None]  # [1, m, H]
+        ctx_pos = (block_positions[0] - n_new + torch.arange(n_new, dtype=torch.int64))[None]
+        g = block_positions.shape[0]
+        x = torch.cat([anchor_embedding, m.mask_embed[None].expand(g - 1, -1)], 0)[None]
+        pos = block_positions[None]
+        presents = []
+        for i, layer in enumerate(m.layers):
+            k_new, v_new = layer.context_kv(ctx, ctx_pos)
+            k = torch.cat([past[2 * i][None], k_new], 2)
+            v = torch.cat([past[2 * i + 1][None], v_new], 2)
+            presents += [k[0], v[0]]
+            x = layer(x, pos, k, v, None)
+        h = m.norm(x)[0]
+        return (h @ m.head.T, h, *presents)
+
+
+def export_onnx(model: DSparkDraft, path: Path) -> None:
+    cfg = model.cfg
+    model.eval()
+    graph = RoundGraph(model)
+    ins, outs = io_names(cfg.num_layers)
+    m, past_n, g = 5, 11, cfg.slots
+    args = [torch.randn(m, cfg.feature_dim), torch.randn(1, cfg.hidden_size),
+            torch.arange(past_n + m, past_n + m + g, dtype=torch.int64)]
+    for _ in range(cfg.num_layers):
+        args += [torch.randn(cfg.num_kv_heads, past_n, cfg.head_dim)] * 2
+    dyn = {"features": {0: "new_positions"}, "block_positions": {0: "slots"},
+           "logits": {0: "slots"}, "hidden": {0: "slots"}}
+    for i in range(cfg.num_layers):
+        dyn[f"past_key.{i}"] = dyn[f"past_value.{i}"] = {1: "past_length"}
+        dyn[f"present_key.{i}"] = dyn[f"present_value.{i}"] = {1: "length"}
+    with torch.no_grad():
+        torch.onnx.export(graph, tuple(args), str(path), input_names=ins, output_names=outs, dynamic_axes=dyn,
+                          opset_version=17, dynamo=False)
+
+
+def quantize_int8(src: Path, dst: Path) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True)
+
+
+def tables(model: DSparkDraft) -> dict[str, np.ndarray]:
+    """What the runtime's sequential step needs, as FP32 arrays."""
+    f = lambda t: t.detach().cpu().numpy().astype(np.float32)  # noqa: E731
+    return {"vocab_ids": model.vocab_ids.cpu().numpy().astype(np.int64),
+            "markov_in": f(model.markov_in.weight), "markov_out": f(model.markov_out.weight.T),
+            "conf_w": f(model.conf.weight[0]), "conf_b": f(model.conf.bias)}
+
+
+def reference_round(model: DSparkDraft, features: torch.Tensor, anchor: int, n: int, slots: int):
+    """PyTorch (logits, hidden) for one round from scratch: context = features [n, F]."""
+    with torch.no_grad():
+        ctx = model.context(features[None])
+        kv = [layer.context_kv(ctx, torch.arange(n)[None]) for layer in model.layers]
+        pos = torch.arange(n, n + slots)[None]
+        h = model.block_hidden(torch.tensor([[anchor]]), pos, kv, None)[0]
+        return model.base_logits(h).numpy(), h.numpy()
+
+
+__all__ = ["RoundGraph", "export_onnx", "quantize_int8", "tables", "reference_round", "io_names", "rope"]

@@ -1,0 +1,257 @@
+"""The DSpark drafter: backbone masks, the Markov/confidence step, calibration, ONNX export, and
+an end-to-end train → install → speculative generation on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dspark_edge.drafters.dspark import sequential_step  # noqa: E402
+from export.drafter import calibrate  # noqa: E402
+from export.drafter.data import Sequences  # noqa: E402
+from export.drafter.model import DraftConfig, DSparkDraft  # noqa: E402
+from export.drafter.train import forward_batch, make_batch  # noqa: E402
+
+V, H = 120, 32
+CFG = DraftConfig(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, num_layers=2,
+                  feature_layers=(1, 2), slots=4, draft_vocab=100, markov_rank=8)
+
+
+def _model(seed: int = 0) -> DSparkDraft:
+    torch.manual_seed(seed)
+    emb = torch.randn(V, H)
+    m = DSparkDraft(CFG, emb, torch.randn(V, H), torch.arange(100))
+    torch.nn.init.normal_(m.markov_out.weight, std=0.3)
+    return m.eval()
+
+
+def _data(n: int = 3, length: int = 40, seed: int = 0) -> Sequences:
+    rng = np.random.default_rng(seed)
+    t = n * length
+    return Sequences(tokens=rng.integers(0, V, t).astype(np.int32),
+                     offsets=np.arange(0, t + 1, length).astype(np.int64),
+                     prompt_lens=np.full(n, 5, np.int32),
+                     aux=rng.standard_normal((t, CFG.feature_dim)).astype(np.float16),
+                     top_ids=rng.integers(0, V, (t, 4)).astype(np.int32),
+                     top_logp=np.log(np.full((t, 4), 0.2)).astype(np.float16))
+
+
+def _to_draft(model):
+    return model.to_draft.numpy()
+
+
+def test_block_sees_only_its_context_and_its_own_slots():
+    model, data = _model(), _data()
+    rng = np.random.default_rng(0)
+    anchors = [[10, 25, 30]]
+    batch = make_batch(data, [0], 3, CFG.slots, _to_draft(model), rng, fixed_anchors=anchors)
+    assert batch["mask"].shape == (1, 1, 3 * CFG.slots, 40 + 3 * CFG.slots)
+    with torch.no_grad():
+        h0 = forward_batch(model, batch)["lab_logp"].clone()
+        # Features at or after the first block's anchor (position 10) must not reach it ...
+        batch2 = dict(batch, feats=batch["feats"].clone())
+        batch2["feats"][0, 10:] += 5.0
+        h1 = forward_batch(model, batch2)["lab_logp"]
+    s = CFG.slots
+    assert torch.allclose(h0[0, :s], h1[0, :s], atol=1e-5)
+    assert not torch.allclose(h0[0, s:], h1[0, s:], atol=1e-3)  # ... but do reach later blocks
+    # Another block's anchor token does not reach this block; the block's own anchor does.
+    batch3 = dict(batch, anchors=batch["anchors"].clone())
+    batch3["anchors"][0, 2] = (batch3["anchors"][0, 2] + 7) % V
+    with torch.no_grad():
+        h3 = forward_batch(model, batch3)["lab_logp"]
+    assert torch.allclose(h0[0, :2 * s], h3[0, :2 * s], atol=1e-5)
+    assert not torch.allclose(h0[0, 2 * s:], h3[0, 2 * s:], atol=1e-3)
+
+
+def test_short_blocks_mask_their_extra_slots():
+    model, data = _model(), _data()
+    rng = np.random.default_rng(0)
+    batch = make_batch(data, [1], 4, CFG.slots, _to_draft(model), rng, short_block=2, short_share=1.0)
+    valid = batch["valid"].reshape(4, CFG.slots)
+    assert valid[:, 2:].sum() == 0 and valid[:, :2].all()
+    m = batch["mask"][0, 0, :, 40:].reshape(4, CFG.slots, 4, CFG.slots)
+    assert not m[0, 0, 0, 2:].any() and m[0, 0, 0, :2].all()
+
+
+def test_markov_step_equals_a_reference_loop():
+    model = _model()
+    rng = np.random.default_rng(1)
+    u = rng.standard_normal((CFG.slots, 100)).astype(np.float32)
+    h = rng.standard_normal((CFG.slots, H)).astype(np.float32)
+    w1 = model.markov_in.weight.detach().numpy()
+    w2 = model.markov_out.weight.detach().numpy().T
+    cw, cb = model.conf.weight.detach().numpy()[0].astype(np.float64), float(model.conf.bias.detach())
+    drafts, z = sequential_step(u, h, 7, w1, w2, cw, cb, lambda j, lg: int(np.argmax(lg)))
+    prev = torch.tensor(7)
+    for k in range(CFG.slots):  # PyTorch, one position at a time
+        with torch.no_grad():
+            bias, row = model.markov(prev)
+            logits = torch.from_numpy(u[k]) + bias
+            zk = model.confidence_logit(torch.from_numpy(h[k]), row)
+        assert int(logits.argmax()) == drafts[k]
+        assert abs(float(zk) - z[k]) < 1e-4
+        prev = logits.argmax()
+
+
+def test_confidence_depends_on_the_previous_draft_only():
+    model = _model()
+    rng = np.random.default_rng(2)
+    u, h = rng.standard_normal((4, 100)).astype(np.float32), rng.standard_normal((4, H)).astype(np.float32)
+    args = (model.markov_in.weight.detach().numpy(), model.markov_out.weight.detach().numpy().T,
+            model.conf.weight.detach().numpy()[0].astype(np.float64), 0.1)
+    a = sequential_step(u, h, 3, *args, choose=lambda j, lg: [5, 6, 7, 8][j])
+    b = sequential_step(u, h, 3, *args, choose=lambda j, lg: [5, 6, 9, 8][j])  # x_3 differs
+    assert np.allclose(a[1][:3], b[1][:3])  # c_1..c_3 are known before x_3 is drawn
+    assert not np.isclose(a[1][3], b[1][3])  # c_4 reads x_3
+
+
+def test_calibration_reduces_ece_on_a_miscalibrated_set():
+    rng = np.random.default_rng(0)
+    n, slots = 4000, 4
+    true_logit = rng.normal(1.0, 1.5, (n, slots))
+    p = calibrate.sigmoid(true_logit)
+    accepted_each = rng.random((n, slots)) < p
+    accepted = np.cumprod(accepted_each, axis=1).sum(1)
+    z = true_logit * 3.0  # overconfident by a factor of 3
+    temps = calibrate.fit_temperatures(z, accepted)
+    rep = calibrate.report(z, accepted, temps)
+    for pos in rep["positions"]:
+        assert pos["ece_after"] < pos["ece_before"]
+        assert pos["ece_after"] < 0.03
+    assert 2.0 < temps[0] < 4.5
+    assert 0.5 < rep["positions"][0]["auroc"] <= 1.0
+
+
+def test_auroc_and_ece_reference_values():
+    assert calibrate.auroc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])) == 0.75
+    assert calibrate.ece(np.array([0.2, 0.2, 0.9]), np.array([0.0, 1.0, 1.0])) == pytest.approx((2 * 0.3 + 0.1) / 3)
+
+
+def test_onnx_round_matches_pytorch_at_long_context(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    from export.drafter.onnx_export import export_onnx, reference_round
+
+    model = _model()
+    path = tmp_path / "d.onnx"
+    export_onnx(model, path)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    total = 900
+    feats = torch.from_numpy(rng.standard_normal((total, CFG.feature_dim)).astype(np.float32))
+    past = {f"past_{kv}.{i}": np.zeros((2, 0, 8), np.float32) for i in range(2) for kv in ("key", "value")}
+    n, checked = 0, 0
+    steps = [700] + [int(x) for x in rng.integers(1, 5, 60)]
+    for m in steps:
+        if n + m > total:
+            break
+        anchor = int(rng.integers(0, V))
+        slots = 4 if m % 2 else 3
+        out = sess.run(None, {"features": feats[n:n + m].numpy(), "anchor_embedding": model.embed[anchor][None].numpy(),
+                              "block_positions": np.arange(n + m, n + m + slots, dtype=np.int64), **past})
+        n += m
+        past = {f"past_{kv}.{i}": out[2 + 2 * i + (kv == "value")] for i in range(2) for kv in ("key", "value")}
+        if checked < 6 or n > total - 10:
+            ref_l, ref_h = reference_round(model, feats[:n], anchor, n, slots)
+            assert np.abs(out[0] - ref_l).max() < 1e-3, f"round at context {n}"
+            # One position off must be visible: the check can fail.
+            off_l, _ = reference_round(model, feats[:n - 1], anchor, n - 1, slots)
+            assert np.abs(out[0] - off_l).max() > 1e-3
+            checked += 1
+    assert n > 700 and past["past_key.0"].shape[1] == n
+
+
+@pytest.fixture(scope="module")
+def tiny_with_drafter(tmp_path_factory, tiny_hf, tiny_engine):
+    from export.drafter.build import TrainDrafterOptions, train_drafter
+    from export.drafter.install import install_drafter
+
+    root = tmp_path_factory.mktemp("dspark")
+    engine = root / "engine"
+    shutil.copytree(tiny_engine, engine)
+    msgs = []
+    weights = train_drafter(TrainDrafterOptions(
+        target_engine=engine, output=root / "weights", work=root / "work", source=str(tiny_hf), prompts=10,
+        max_new_tokens=24, layers=1, slots=3, draft_vocab=200, markov_rank=8, steps=8, seqs_per_step=4,
+        anchors=6), progress=msgs.append)
+    install_drafter(engine, weights, blocks=(2, 4), source=str(tiny_hf), progress=msgs.append)
+    return engine, weights, msgs
+
+
+def test_train_and_install_write_a_complete_drafter(tiny_with_drafter):
+    from dspark_edge.manifest import read_manifest, verify_files
+
+    engine, weights, msgs = tiny_with_drafter
+    assert any("ETA" in m for m in msgs)  # progress on long work
+    rep = json.loads((weights / "calibration.json").read_text())
+    assert len(rep["temperatures"]) == 3 and len(rep["positions"]) == 3
+    assert (weights / "reliability.png").stat().st_size > 1000
+    m = read_manifest(engine)
+    assert m.drafter is not None and m.drafter.slots == 3
+    assert m.widths("drafter", "fp32") == (2, 4) and m.widths("drafter", "int8") == (2, 4)
+    verify_files(m, engine)
+    assert not [p for p in engine.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_resume_after_finish_does_not_retrain(tiny_with_drafter, tiny_hf):
+    from export.drafter.build import TrainDrafterOptions, train_drafter
+
+    engine, weights, _ = tiny_with_drafter
+    msgs = []
+    train_drafter(TrainDrafterOptions(
+        target_engine=engine, output=weights, work=weights.parent / "work", source=str(tiny_hf), prompts=10,
+        max_new_tokens=24, layers=1, slots=3, draft_vocab=200, markov_rank=8, steps=8, seqs_per_step=4,
+        anchors=6), progress=msgs.append)
+    assert any("resumed at step 8" in m for m in msgs)
+    assert not any(m.strip().startswith("step ") for m in msgs)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_dspark_speculation_is_exact_greedy(tiny_with_drafter, precision):
+    import dspark_edge
+
+    engine, _, _ = tiny_with_drafter
+    plain = dspark_edge.load(engine, "fp32")
+    spec = dspark_edge.load(engine, "fp32", drafter=f"dspark:{precision}")
+    for prompt in ["The quick brown fox", "def add(a, b):", "Speculative decoding"]:
+        a = plain.generate(prompt, max_new_tokens=40, ignore_eos=True)
+        b = spec.generate(prompt, max_new_tokens=40, ignore_eos=True)
+        assert b.token_ids == a.token_ids
+        assert b.stats.drafter == "dspark" and b.stats.draft_n > 0 and b.stats.drafter_disabled is None
+    # Sampling runs through the drafter's q and stays reproducible for a seed.
+    s1 = spec.generate("The quick", max_new_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
+    s2 = spec.generate("The quick", max_new_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
+    assert s1.token_ids == s2.token_ids and len(s1.token_ids) == 30
+
+
+def test_drafter_refuses_a_foreign_target(tiny_with_drafter, tiny_hf, tmp_path):
+    from dspark_edge.errors import ExportError
+    from export.drafter.install import install_drafter
+
+    engine, weights, _ = tiny_with_drafter
+    other = tmp_path / "w"
+    shutil.copytree(weights, other)
+    meta = json.loads((other / "drafter.json").read_text())
+    meta["target"]["source_sha256"] = "0" * 64
+    (other / "drafter.json").write_text(json.dumps(meta))
+    before = (engine / "manifest.json").read_bytes()
+    with pytest.raises(ExportError, match="trained against a target"):
+        install_drafter(engine, other, blocks=(2, 4), source=str(tiny_hf), progress=lambda m: None)
+    assert (engine / "manifest.json").read_bytes() == before
+
+
+def test_training_prompts_are_disjoint_from_the_benchmark():
+    from pathlib import Path
+
+    from export.drafter.prompts import training_prompts
+
+    bench = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
+    bench_texts = {m["content"] for line in bench.read_text().splitlines() if line.strip()
+                   for m in json.loads(line)["messages"]}
+    train_texts = {m["content"] for r in training_prompts() for m in r["messages"]}
+    assert len(train_texts) > 500 and not (bench_texts & train_texts)
