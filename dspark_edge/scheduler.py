@@ -1,0 +1,233 @@
+"""The confidence scheduler: which verify width to run this round, from the drafter's
+calibrated confidences, the device profile's cost curve corrected by observed step times, and
+telemetry (heat, throttling, memory).
+
+Pure math first (the paper's Algorithm 1, read for a device):
+    survival a_j = Π_{i≤j} c_i;  tau(l) = 1 + Σ_{j≤l} a_j;  pick l maximising tau(l) / cost(l+1),
+    scanning upward and stopping at the first step that does not improve.
+The scan only uses what is known before a draft is drawn: c_j depends on x_{j-1}, never on
+x_j. Where the listed widths skip (e.g. 4 → 6), the jump is judged from the survivals up to the
+current width, extended with the last conditional c, so admitting x_4 never depends on x_4.
+
+Then ``Scheduler``: small state (online cost correction, thermal/memory modes with hysteresis,
+probes while parked) and a record of every decision with its inputs and reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ConfigError
+from .telemetry import Snapshot
+
+log = logging.getLogger(__name__)
+
+
+def survival(confidence: np.ndarray) -> np.ndarray:
+    return np.cumprod(np.clip(np.asarray(confidence, dtype=np.float64), 0.0, 1.0))
+
+
+def choose_width(confidence: np.ndarray, widths: Sequence[int], cost, early_stop: bool = True) -> tuple[int, float]:
+    """(verify width, expected tokens per unit cost). ``widths`` are the listed verify widths
+    (1 must be among them), ``cost(w)`` the round cost at width w. ``early_stop=False`` is the
+    retrospective global search, kept only to show (in tests) why it is not lossless."""
+    c = np.asarray(confidence, dtype=np.float64)
+    listed = sorted(w for w in widths if w - 1 <= c.shape[0])
+    if not listed or listed[0] != 1:
+        raise ConfigError(f"the scheduler needs width 1 among the widths, got {sorted(widths)}")
+    a = survival(c)
+    best_w, best_v = 1, 1.0 / cost(1)
+    for prev, w in zip(listed, listed[1:]):
+        known = prev  # drafts 1..prev-1 admitted; a_1..a_prev are known before x_prev is drawn
+        visible = a[:known].copy() if early_stop else a[:w - 1]
+        if early_stop and w - 1 > known:
+            last_c = c[known - 1] if known >= 1 else 1.0
+            tail = a[known - 1] * last_c ** np.arange(1, w - known) if known >= 1 else np.zeros(0)
+            visible = np.concatenate([visible, tail])
+        v = (1.0 + visible.sum()) / cost(w)
+        if v > best_v:
+            best_w, best_v = w, v
+        elif early_stop:
+            break
+    return best_w, best_v
+
+
+def choose_multi(confidences: Sequence[np.ndarray], cost_of_total, max_total: int | None = None) -> list[int]:
+    """Drafts to verify per request, for a batch of requests: admit (request, position) pairs
+    in order of survival while total expected tokens per unit cost improves; stop at the first
+    pair that does not. ``cost_of_total(n)`` is the cost of one target pass over n tokens (the
+    requests' anchors included). Returns drafts per request."""
+    pool = []
+    for r, c in enumerate(confidences):
+        a = survival(np.asarray(c))
+        pool += [(-a[j], r, j) for j in range(a.shape[0])]
+    pool.sort()
+    admitted = [0] * len(confidences)
+    n = len(confidences)
+    tokens = float(n)
+    best = tokens / cost_of_total(n)
+    for neg_a, r, j in pool:
+        if j != admitted[r]:  # a prefix must be admitted in order
+            continue
+        if max_total is not None and n + 1 > max_total:
+            break
+        v = (tokens - neg_a) / cost_of_total(n + 1)
+        if v <= best:
+            break
+        admitted[r], n, tokens, best = j + 1, n + 1, tokens - neg_a, v
+    return admitted
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Every knob of the scheduler, with its default. Temperatures in °C, memory in MiB."""
+
+    hot_c: float = 80.0  # at or above: prefer shorter widths (energy-aware cost)
+    park_c: float = 90.0  # at or above: park speculation (plain decoding, periodic probes)
+    hysteresis_c: float = 5.0  # leave a mode only this far below its threshold
+    energy_bias: float = 0.25  # hot: cost(w) *= 1 + energy_bias * (w - 1)
+    probe_every: int = 16  # parked: one speculative round every this many rounds
+    memory_low_mb: float = 400.0  # available memory below this: drop the drafter
+    memory_ok_mb: float = 800.0  # ... and take it back above this
+    cost_window: int = 12  # observed step times kept per width (robust median)
+    min_observations: int = 3  # before a width's own correction is trusted
+    max_record: int = 4096  # decisions kept in memory
+
+    def __post_init__(self) -> None:
+        if not self.hot_c < self.park_c:
+            raise ConfigError(f"hot_c ({self.hot_c}) must be below park_c ({self.park_c})")
+        if self.hysteresis_c < 0 or self.energy_bias < 0:
+            raise ConfigError("hysteresis_c and energy_bias must be >= 0")
+        if self.probe_every < 1 or self.cost_window < 1 or self.min_observations < 1:
+            raise ConfigError("probe_every, cost_window and min_observations must be >= 1")
+        if not self.memory_low_mb < self.memory_ok_mb:
+            raise ConfigError("memory_low_mb must be below memory_ok_mb")
+
+
+class CostModel:
+    """Round cost (ms) per verify width: the profile's curve times an online correction, the
+    median ratio observed/profiled of the last few rounds at that width (the median over all
+    widths until a width has its own), so a busy or throttled device shows within a few rounds."""
+
+    def __init__(self, verify_ms: dict[int, float], draft_ms: float, window: int = 12, min_obs: int = 3) -> None:
+        self.verify_ms, self.draft_ms = dict(verify_ms), float(draft_ms)
+        self.ratios: dict[int, deque] = {w: deque(maxlen=window) for w in verify_ms}
+        self.all_ratios: deque = deque(maxlen=window)
+        self.min_obs = min_obs
+
+    def correction(self, width: int) -> float:
+        own = self.ratios.get(width)
+        if own is not None and len(own) >= self.min_obs:
+            return float(np.median(own))
+        return float(np.median(self.all_ratios)) if self.all_ratios else 1.0
+
+    def verify(self, width: int) -> float:
+        return self.verify_ms[width] * self.correction(width)
+
+    def round(self, width: int, drafting: bool = True) -> float:
+        return self.verify(width) + (self.draft_ms * self.correction(width) if drafting else 0.0)
+
+    def observe(self, width: int, verify_ms: float) -> None:
+        if width in self.verify_ms and verify_ms > 0:
+            r = verify_ms / self.verify_ms[width]
+            self.ratios[width].append(r)
+            self.all_ratios.append(r)
+
+
+@dataclass(frozen=True)
+class Decision:
+    step: int
+    mode: str  # "normal" | "hot" | "parked" | "probe"
+    width: int
+    drafts_offered: int
+    expected_tokens_per_ms: float
+    reason: str
+    max_temp_c: float | None
+    throttling: bool
+    mem_available_mb: float
+    cpu_other_percent: float
+    correction: float
+    survival: tuple[float, ...] = field(default=())
+
+
+class Scheduler:
+    """Per-generation state; ``decide`` is called once per round after drafting."""
+
+    def __init__(self, costs: CostModel, widths: Sequence[int], config: SchedulerConfig | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        self.costs = costs
+        self.widths = tuple(sorted(widths))
+        self.mode = "normal"
+        self.memory_low = False
+        self.step = 0
+        self._since_probe = 0
+        self.decisions: deque[Decision] = deque(maxlen=self.config.max_record)
+
+    # -- modes ------------------------------------------------------------------------------
+    def update_modes(self, snap: Snapshot) -> None:
+        cfg, t = self.config, snap.max_temp_c
+        hot = snap.throttling or (t is not None and t >= cfg.hot_c)
+        cool = not snap.throttling and (t is None or t < cfg.hot_c - cfg.hysteresis_c)
+        old = self.mode
+        if t is not None and t >= cfg.park_c:
+            self.mode = "parked"
+        elif self.mode == "parked":
+            if t is None or t < cfg.park_c - cfg.hysteresis_c:
+                self.mode = "hot" if not cool else "normal"
+        elif hot:
+            self.mode = "hot"
+        elif self.mode == "hot" and cool:
+            self.mode = "normal"
+        if self.mode != old:
+            log.info("scheduler mode %s → %s (max temp %s °C, throttling %s)", old, self.mode, t, snap.throttle_source)
+        if not self.memory_low and snap.mem_available_mb and snap.mem_available_mb < cfg.memory_low_mb:
+            self.memory_low = True
+            log.warning("available memory %.0f MiB < %.0f MiB: dropping the drafter", snap.mem_available_mb,
+                        cfg.memory_low_mb)
+        elif self.memory_low and snap.mem_available_mb >= cfg.memory_ok_mb:
+            self.memory_low = False
+            log.info("available memory %.0f MiB: drafter may come back", snap.mem_available_mb)
+
+    def wants_draft(self, snap: Snapshot) -> bool:
+        """Before drafting: False when parked (except on a probe round) or memory is low."""
+        self.update_modes(snap)
+        if self.memory_low:
+            return False
+        if self.mode == "parked":
+            self._since_probe += 1
+            if self._since_probe >= self.config.probe_every:
+                self._since_probe = 0
+                return True
+            return False
+        return True
+
+    def _cost(self, w: int) -> float:
+        c = self.costs.round(w, drafting=w > 1)
+        if self.mode in ("hot", "parked"):
+            c *= 1.0 + self.config.energy_bias * (w - 1)
+        return c
+
+    def decide(self, confidence: np.ndarray, snap: Snapshot) -> Decision:
+        """The verify width for drafts with these calibrated confidences."""
+        self.step += 1
+        k = int(np.asarray(confidence).shape[0])
+        mode = "probe" if self.mode == "parked" and k else self.mode
+        if k == 0:
+            width, value, why = 1, 1.0 / self._cost(1), "no drafts"
+        else:
+            width, value = choose_width(confidence, [w for w in self.widths if w - 1 <= k], self._cost)
+            why = (f"tau/cost best at width {width} (stopped at the first non-improving width)"
+                   + (", energy-weighted: hot" if self.mode == "hot" else ""))
+        d = Decision(self.step, mode, width, k, value, why, snap.max_temp_c, snap.throttling,
+                     snap.mem_available_mb, snap.cpu_other_percent, self.costs.correction(width),
+                     tuple(float(x) for x in survival(confidence)))
+        self.decisions.append(d)
+        return d
+
+    def observe(self, width: int, verify_ms: float) -> None:
+        self.costs.observe(width, verify_ms)

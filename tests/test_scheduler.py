@@ -1,0 +1,189 @@
+"""The confidence scheduler: the width choice, its early stop (lossless sampling), the online
+cost correction, and the thermal / memory modes over telemetry snapshots and replayed traces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark_edge.errors import ConfigError
+from dspark_edge.scheduler import CostModel, Scheduler, SchedulerConfig, choose_multi, choose_width, survival
+from dspark_edge.telemetry import Snapshot, TraceRecorder, TraceReplayer, FakeReader
+from dspark_edge.verify import verify_sampling
+
+WIDTHS = (1, 2, 3, 4, 6, 8)
+# A CPU-like verify curve (ms): wide verification is cheap relative to a step.
+CURVE = {1: 30.0, 2: 34.0, 3: 36.0, 4: 40.0, 6: 46.0, 8: 52.0}
+
+
+def _cost(w):
+    return CURVE[w] + (4.0 if w > 1 else 0.0)
+
+
+@pytest.mark.parametrize("conf, expected", [
+    ([0.99] * 7, 8),  # confident drafts: the widest width
+    ([0.05] * 7, 1),  # hopeless drafts: plain step
+    ([0.95, 0.9, 0.2, 0.2, 0.2, 0.2, 0.2], 3),  # survival collapses after two drafts
+    ([0.9, 0.9, 0.9], 4),  # only three drafts offered: width 4 at most
+    ([], 1),
+])
+def test_choose_width_table(conf, expected):
+    assert choose_width(np.array(conf), WIDTHS, _cost)[0] == expected
+
+
+def test_choose_width_stays_on_listed_widths():
+    for seed in range(50):
+        c = np.random.default_rng(seed).random(7)
+        assert choose_width(c, WIDTHS, _cost)[0] in WIDTHS
+
+
+def test_width_one_is_required():
+    with pytest.raises(ConfigError, match="width 1"):
+        choose_width(np.array([0.9]), (2, 4), _cost)
+
+
+def _first_token_frequency(early_stop: bool, n: int = 20000) -> float:
+    """The paper's Appendix A case: p_t = (0.7, 0.3), p_d = (0.5, 0.5), c_1 = 0.8, and c_2 high
+    after drawing A, zero after B; steps/s 1.0, 0.5, 0.45 for widths 1, 2, 3."""
+    rng = np.random.default_rng(0)
+    logits = np.log(np.array([[0.7, 0.3]] * 3))
+    q = np.array([[0.5, 0.5]] * 2)
+    cost = {1: 1.0, 2: 2.0, 3: 1 / 0.45}.__getitem__
+    a_count = 0
+    for _ in range(n):
+        x = rng.integers(0, 2, 2)
+        conf = np.array([0.8, 0.9 if x[0] == 0 else 0.0])
+        w, _ = choose_width(conf, (1, 2, 3), cost, early_stop=early_stop)
+        out = verify_sampling(x[:w - 1], q[:w - 1], logits[:w], 1.0, 0, 1.0, rng)
+        a_count += out.tokens[0] == 0
+    return a_count / n
+
+
+def test_early_stop_keeps_sampling_lossless_and_global_search_does_not():
+    assert abs(_first_token_frequency(early_stop=True) - 0.7) < 0.015
+    assert abs(_first_token_frequency(early_stop=False) - 0.85) < 0.015  # biased, as the paper shows
+
+
+def test_jumps_over_unlisted_widths_do_not_read_the_draft_they_admit():
+    # Widths 4 → 6 admit drafts 4 and 5; c_5 (which reads x_4) must not change the choice.
+    base = np.array([0.95, 0.95, 0.95, 0.6, 0.9, 0.9, 0.9])
+    for c5 in (0.0, 0.5, 1.0):
+        c = base.copy()
+        c[4] = c5
+        w_with, _ = choose_width(c, WIDTHS, _cost)
+        w_ref, _ = choose_width(base, WIDTHS, _cost)
+        if w_ref <= 6:
+            assert (w_with >= 6) == (w_ref >= 6)
+
+
+def test_multi_request_admits_by_survival_with_early_stop():
+    conf = [np.array([0.95, 0.9, 0.9]), np.array([0.3, 0.9]), np.array([0.9, 0.1])]
+    per_token = lambda n: 20.0 + 2.0 * n  # noqa: E731
+    admitted = choose_multi(conf, per_token)
+    assert admitted[0] == 3 and admitted[1] == 0 and admitted[2] == 1
+    assert choose_multi(conf, lambda n: 20.0 + 200.0 * n) == [0, 0, 0]  # verification too dear
+    assert sum(choose_multi(conf, per_token, max_total=4)) == 1
+
+
+def test_survival_is_the_running_product():
+    assert np.allclose(survival(np.array([0.5, 0.5, 1.0])), [0.5, 0.25, 0.25])
+
+
+def test_cost_correction_is_robust_and_per_width():
+    cm = CostModel(CURVE, 4.0, window=8, min_obs=3)
+    cm.observe(8, 104.0)
+    assert cm.correction(2) == pytest.approx(2.0)  # global median before width 2 has its own
+    for v in (34.0, 34.0, 34.0, 340.0):  # one outlier does not move the median
+        cm.observe(2, v)
+    assert cm.correction(2) == pytest.approx(1.0)
+
+
+def test_noisy_neighbour_shortens_widths_when_wide_passes_slow_down():
+    sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS)
+    snap = Snapshot(t=0, mem_total_mb=8000, mem_available_mb=4000)
+    conf = np.array([0.97, 0.95, 0.95, 0.93, 0.93, 0.9, 0.9])
+    assert sched.decide(conf, snap).width == 8
+    for _ in range(6):  # a hog: wide passes now cost 3x, narrow ones 1.2x
+        for w in WIDTHS:
+            sched.observe(w, CURVE[w] * (3.0 if w >= 4 else 1.2))
+    assert sched.decide(conf, snap).width < 4
+    for _ in range(12):  # the hog ends
+        for w in WIDTHS:
+            sched.observe(w, CURVE[w])
+    assert sched.decide(conf, snap).width == 8
+
+
+def _snap(temp=None, throttling=False, avail=4000.0, t=0.0):
+    return Snapshot(t=t, mem_total_mb=8000, mem_available_mb=avail, temps_c={} if temp is None else {"cpu": temp},
+                    throttling=throttling, throttle_source="test" if throttling else None)
+
+
+@pytest.mark.parametrize("snap, mode, drafts", [
+    (_snap(), "normal", True),
+    (_snap(temp=60), "normal", True),
+    (_snap(temp=83), "hot", True),
+    (_snap(throttling=True), "hot", True),
+    (_snap(temp=95), "parked", False),
+    (_snap(avail=200), "normal", False),  # memory tight: no drafter
+])
+def test_modes_from_snapshots(snap, mode, drafts):
+    sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS)
+    assert sched.wants_draft(snap) is drafts
+    assert sched.mode == mode
+
+
+def test_hot_prefers_shorter_widths():
+    conf = np.array([0.85] * 7)
+    cool, hot = Scheduler(CostModel(CURVE, 4.0), WIDTHS), Scheduler(CostModel(CURVE, 4.0), WIDTHS)
+    cool.wants_draft(_snap(temp=50))
+    hot.wants_draft(_snap(temp=85))
+    assert hot.decide(conf, _snap(temp=85)).width < cool.decide(conf, _snap(temp=50)).width
+
+
+def test_heating_then_cooling_trace_follows_without_flapping(tmp_path):
+    temps = list(np.linspace(60, 95, 30)) + [94, 89, 91, 88, 90, 89] + list(np.linspace(88, 55, 30))
+    jitter = np.random.default_rng(0).normal(0, 1.2, len(temps))  # sensor noise
+    path = tmp_path / "trace.jsonl"
+    rec = TraceRecorder(FakeReader(), path)
+    for i, (t, j) in enumerate(zip(temps, jitter)):
+        rec.reader.set(t=float(i), temps_c={"cpu": float(t + j)})
+        rec.read()
+    rec.close()
+    replay = TraceReplayer(path)
+    sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS)
+    modes = []
+    for _ in temps:
+        sched.wants_draft(replay.read())
+        modes.append(sched.mode)
+    changes = sum(a != b for a, b in zip(modes, modes[1:]))
+    assert modes[0] == "normal" and "parked" in modes and modes[-1] == "normal"
+    assert changes <= 4  # normal → hot → parked → hot → normal, no flapping on noise
+
+
+def test_parked_probes_periodically():
+    sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS, SchedulerConfig(probe_every=4))
+    flags = [sched.wants_draft(_snap(temp=95)) for _ in range(12)]
+    assert flags.count(True) == 3 and sched.mode == "parked"
+
+
+def test_memory_squeeze_drops_and_restores_the_drafter():
+    sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS)
+    avail = [4000, 3000, 350, 300, 500, 700, 900, 1500]
+    got = [sched.wants_draft(_snap(avail=a)) for a in avail]
+    assert got == [True, True, False, False, False, False, True, True]  # hysteresis 400 → 800 MiB
+
+
+def test_every_decision_is_recorded_with_its_inputs():
+    sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS)
+    snap = _snap(temp=70)
+    sched.wants_draft(snap)
+    d = sched.decide(np.array([0.9, 0.8]), snap)
+    assert sched.decisions[-1] is d and d.step == 1 and d.max_temp_c == 70
+    assert d.survival == pytest.approx((0.9, 0.72)) and "width" in d.reason
+
+
+def test_config_is_validated():
+    with pytest.raises(ConfigError):
+        SchedulerConfig(hot_c=95, park_c=90)
+    with pytest.raises(ConfigError):
+        SchedulerConfig(memory_low_mb=900, memory_ok_mb=800)
