@@ -99,6 +99,7 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     drafter_disabled: str | None = None
+    modes: dict[str, int] = field(default_factory=dict)  # scheduler rounds per mode (normal/hot/parked/probe)
 
     @property
     def total_s(self) -> float:

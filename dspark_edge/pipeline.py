@@ -27,6 +27,8 @@ from .manifest import Manifest, read_manifest, verify_role_files
 from .decoder import DecoderModel
 from .drafters import Draft, DraftRequest, create as create_drafter
 from .sampling import choose
+from .scheduler import CostModel, Decision, Scheduler, SchedulerConfig
+from .telemetry import Reader, Sampler, Snapshot
 from .tokenizer import IncrementalDecoder, Tokenizer
 from .verify import verify_greedy, verify_sampling
 
@@ -37,13 +39,18 @@ MAX_DRAFTER_FAILURES = 3
 
 
 def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, backend: str = "onnxruntime",
-         options: BackendOptions | None = None, verify_hashes: bool = True) -> "Pipeline":
+         options: BackendOptions | None = None, verify_hashes: bool = True,
+         scheduler: SchedulerConfig | bool | None = None, telemetry: Reader | None = None) -> "Pipeline":
     """Open an engine folder. ``precision`` defaults to the most precise one exported.
 
     ``drafter``: None (plain decoding), "dspark" / "dspark:<precision>" (the engine folder's
     DSpark drafter), "ngram" (prompt lookup), the path of a draft-model engine folder, or a
     Drafter object. ``verify_hashes`` checks the sha256 of the files
     this precision uses (sizes are always checked).
+
+    ``scheduler``: with a drafter, the confidence scheduler picks each round's verify width
+    (default ``SchedulerConfig()``; ``False`` keeps the simple survival cut). ``telemetry``: the
+    reader it samples (default: this machine's ``SystemReader``).
     """
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
@@ -56,9 +63,15 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     verify_role_files(manifest, engine_dir, "target", precision, check_hashes=verify_hashes)
     target = DecoderModel(manifest, engine_dir, precision, backend, options)
     tokenizer = Tokenizer.from_engine(engine_dir, manifest)
-    return Pipeline(manifest, engine_dir, target, tokenizer,
-                    create_drafter(drafter, manifest, options=options, verify_hashes=verify_hashes,
-                                   engine_dir=engine_dir))
+
+    def make_drafter():
+        return create_drafter(drafter, manifest, options=options, verify_hashes=verify_hashes, engine_dir=engine_dir)
+
+    pipe = Pipeline(manifest, engine_dir, target, tokenizer, make_drafter())
+    if pipe.drafter is not None and scheduler is not False:
+        pipe.enable_scheduler(scheduler if isinstance(scheduler, SchedulerConfig) else SchedulerConfig(),
+                              telemetry, make_drafter if isinstance(drafter, (str, Path)) else None)
+    return pipe
 
 
 class Pipeline:
@@ -72,8 +85,55 @@ class Pipeline:
         self.eos_ids = frozenset(manifest.tokenizer.eos_ids)
         self._cache = target.new_cache()
         self._lock = threading.Lock()
+        self.scheduler: Scheduler | None = None
+        self._sampler: Sampler | None = None
+        self._make_drafter = None
+        self.profile_status = "unused"
         if 1 not in target.widths:
             raise ConfigError(f"plain decoding needs a width-1 target variant; this engine lists {target.widths}")
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def enable_scheduler(self, config: SchedulerConfig, telemetry: Reader | None = None, make_drafter=None) -> None:
+        """Cost curve from this device's profile (or a quick measurement when there is none or
+        it is stale), telemetry sampled in the background."""
+        from .profile import load_profile, quick_verify_ms
+        from .telemetry import SystemReader
+
+        prof, status = load_profile(self.engine_dir)
+        self.profile_status = status
+        if prof is not None and status in ("ok", "throttled"):
+            verify = prof.verify_ms(self.target.precision)
+            if status == "throttled":
+                log.warning("the device profile was measured while throttled; costs are corrected online")
+        else:
+            log.info("device profile %s: measuring the verify curve now (run `python -m dspark_edge profile "
+                     "--engine %s` to keep one)", status, self.engine_dir)
+            verify = quick_verify_ms(self.target)
+        verify = {w: ms for w, ms in verify.items() if w in self.target.widths}
+        self.scheduler = Scheduler(CostModel(verify, 0.0, config.cost_window, config.min_observations),
+                                   self.target.widths, config)
+        self._sampler = Sampler(telemetry or SystemReader())
+        self._make_drafter = make_drafter
+
+    def telemetry(self) -> Snapshot | None:
+        """The latest background telemetry reading (None without the scheduler)."""
+        return None if self._sampler is None else self._sampler.latest
+
+    def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
+            self._sampler = None
+
+    def _restore_drafter(self) -> None:
+        """After a memory squeeze: take the drafter back once memory allows."""
+        if self.drafter is None and self._make_drafter is not None and self.scheduler is not None:
+            snap = self.telemetry()
+            if snap is not None:
+                self.scheduler.update_modes(snap)
+            if self.scheduler.memory_low:
+                return
+            self.drafter = self._make_drafter()
+            log.info("drafter reloaded")
 
     # -- prompts ----------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -159,7 +219,10 @@ class TextStream:
         rng = np.random.default_rng(cfg.seed)
         eos = frozenset() if cfg.ignore_eos else p.eos_ids | set(cfg.stop_token_ids)
         widths_listed = p.target.widths
+        if cfg.speculative:
+            p._restore_drafter()
         drafter = p.drafter if cfg.speculative else None
+        sched = p.scheduler if (drafter is not None and cfg.draft_tokens is None) else None
         max_drafts = max(widths_listed) - 1
         if cfg.draft_tokens is not None:
             if cfg.draft_tokens + 1 not in widths_listed:
@@ -216,7 +279,15 @@ class TextStream:
                     # Drafts past the token budget or the context are wasted work.
                     k_max = min(max_drafts, cfg.max_new_tokens - len(self.token_ids) - 1, cache.free - 1)
                     draft = Draft.empty()
-                    if drafter is not None and k_max > 0:
+                    snap = p.telemetry() if sched is not None else None
+                    wants = sched is None or sched.wants_draft(snap)
+                    if sched is not None and sched.memory_low and drafter is not None:
+                        drafter_disabled = f"available memory {snap.mem_available_mb:.0f} MiB is low: drafter unloaded"
+                        log.warning("%s", drafter_disabled)
+                        drafter, hidden_rows = None, None
+                        if p._make_drafter is not None:
+                            p.drafter = None  # release its session; reloaded when memory allows
+                    if drafter is not None and k_max > 0 and wants:
                         t_d = time.perf_counter()
                         try:
                             new_hidden = None
@@ -234,7 +305,14 @@ class TextStream:
                                 log.warning("speculation disabled for this generation: %s", drafter_disabled)
                                 drafter, hidden_rows = None, None
                         st.draft_s += time.perf_counter() - t_d
-                    if cfg.draft_tokens is None and len(draft) > 1:
+                        if sched is not None:
+                            sched.costs.observe_draft((time.perf_counter() - t_d) * 1e3)
+                    decision = None
+                    if sched is not None:
+                        decision = sched.decide(draft.confidence, snap)
+                        st.modes[decision.mode] = st.modes.get(decision.mode, 0) + 1
+                        draft = draft.trimmed(decision.width - 1)
+                    elif cfg.draft_tokens is None and len(draft) > 1:
                         draft = draft.trimmed(_survival_cut(draft.confidence, cfg.min_survival))
                     # The widest listed width the draft fills: an unfilled width is never padded.
                     width = max(w for w in widths_listed if w <= len(draft) + 1)
@@ -247,6 +325,8 @@ class TextStream:
                         outcome = verify_sampling(draft.tokens, draft.q, out.logits, cfg.temperature,
                                                   cfg.top_k, cfg.top_p, rng)
                     st.verify_s += time.perf_counter() - t_v
+                    if sched is not None:
+                        sched.observe(width, (time.perf_counter() - t_v) * 1e3)
                     cache.commit(1 + outcome.accepted)  # the anchor and the accepted drafts
                     if hidden_rows is not None and out.hidden is not None:
                         hidden_rows.append(out.hidden[:1 + outcome.accepted].copy())
@@ -254,7 +334,8 @@ class TextStream:
                     committed.extend(outcome.tokens[:-1])
                     st.record(width, len(draft), outcome)
                     self.last_round = RoundInfo(width, len(draft), outcome.accepted,
-                                                tuple(float(c) for c in draft.confidence), st.draft_n, st.accepted)
+                                                tuple(float(c) for c in draft.confidence), st.draft_n, st.accepted,
+                                                decision)
                     if drafter is not None and len(draft):
                         drafter.feedback(len(draft), outcome.accepted, committed)
                     new = list(outcome.tokens)
@@ -276,7 +357,7 @@ class TextStream:
                           prompt_truncated=self._truncated, prefill_s=prefill_s,
                           decode_s=max(0.0, total - prefill_s),
                           drafter=p.drafter.name if (p.drafter is not None and cfg.speculative) else "none",
-                          drafter_disabled=drafter_disabled)
+                          drafter_disabled=drafter_disabled, modes=dict(st.modes))
         self.result = GenerationResult(text=text, token_ids=tuple(self.token_ids), stop_reason=stop_reason,
                                        stats=stats, error=error)
         if error is not None:
@@ -293,6 +374,7 @@ class RoundInfo:
     confidence: tuple[float, ...]  # the drafter's per-position confidence
     draft_n_total: int  # so far in this generation
     accepted_total: int
+    decision: Decision | None = None  # the scheduler's choice and why, when it ran
 
 
 class _RoundStats:
@@ -305,6 +387,7 @@ class _RoundStats:
         self.reached = np.zeros(max(1, max_drafts), dtype=np.int64)
         self.kept = np.zeros(max(1, max_drafts), dtype=np.int64)
         self.draft_s = self.verify_s = 0.0
+        self.modes: dict[str, int] = {}
 
     def record(self, width: int, drafted: int, outcome) -> None:
         self.rounds += 1

@@ -130,7 +130,11 @@ class CostModel:
         return self.verify_ms[width] * self.correction(width)
 
     def round(self, width: int, drafting: bool = True) -> float:
-        return self.verify(width) + (self.draft_ms * self.correction(width) if drafting else 0.0)
+        return self.verify(width) + (self.draft_ms if drafting else 0.0)
+
+    def observe_draft(self, ms: float, weight: float = 0.2) -> None:
+        """Drafting time is measured directly (moving average); it needs no profile."""
+        self.draft_ms = ms if self.draft_ms <= 0 else (1 - weight) * self.draft_ms + weight * ms
 
     def observe(self, width: int, verify_ms: float) -> None:
         if width in self.verify_ms and verify_ms > 0:

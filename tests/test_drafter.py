@@ -217,16 +217,72 @@ def test_dspark_speculation_is_exact_greedy(tiny_with_drafter, precision):
 
     engine, _, _ = tiny_with_drafter
     plain = dspark_edge.load(engine, "fp32")
-    spec = dspark_edge.load(engine, "fp32", drafter=f"dspark:{precision}")
+    spec = dspark_edge.load(engine, "fp32", drafter=f"dspark:{precision}", scheduler=False)
     for prompt in ["The quick brown fox", "def add(a, b):", "Speculative decoding"]:
         a = plain.generate(prompt, max_new_tokens=40, ignore_eos=True)
-        b = spec.generate(prompt, max_new_tokens=40, ignore_eos=True)
+        b = spec.generate(prompt, max_new_tokens=40, ignore_eos=True, min_survival=0.0)
         assert b.token_ids == a.token_ids
         assert b.stats.drafter == "dspark" and b.stats.draft_n > 0 and b.stats.drafter_disabled is None
     # Sampling runs through the drafter's q and stays reproducible for a seed.
     s1 = spec.generate("The quick", max_new_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
     s2 = spec.generate("The quick", max_new_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
     assert s1.token_ids == s2.token_ids and len(s1.token_ids) == 30
+
+
+class _CyclingScheduler:
+    """Wraps the real scheduler but switches the verify width every round."""
+
+    def __init__(self, inner):
+        self.inner, self.i = inner, 0
+        self.costs, self.config = inner.costs, inner.config
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decide(self, confidence, snap):
+        import dataclasses
+
+        d = self.inner.decide(confidence, snap)
+        widths = [w for w in (4, 1, 2, 3) if w - 1 <= len(confidence)]
+        self.i += 1
+        return dataclasses.replace(d, width=widths[self.i % len(widths)], reason="test: cycling")
+
+
+def test_exact_while_the_scheduler_switches_variants_every_round(tiny_with_drafter):
+    import dspark_edge
+    from dspark_edge.telemetry import FakeReader
+
+    engine, _, _ = tiny_with_drafter
+    plain = dspark_edge.load(engine, "fp32")
+    spec = dspark_edge.load(engine, "fp32", drafter="dspark", telemetry=FakeReader())
+    assert spec.scheduler is not None and spec.profile_status in ("missing", "stale", "ok", "throttled")
+    spec.scheduler = _CyclingScheduler(spec.scheduler)
+    for prompt in ["The quick brown fox", "def add(a, b):"]:
+        a = plain.generate(prompt, max_new_tokens=48, ignore_eos=True)
+        b = spec.generate(prompt, max_new_tokens=48, ignore_eos=True)
+        assert b.token_ids == a.token_ids
+        assert len(b.stats.widths) >= 3  # it really switched
+    spec.close()
+
+
+def test_scheduler_unloads_the_drafter_under_memory_pressure(tiny_with_drafter):
+    import dspark_edge
+    from dspark_edge.telemetry import FakeReader
+
+    engine, _, _ = tiny_with_drafter
+    reader = FakeReader()
+    spec = dspark_edge.load(engine, "fp32", drafter="dspark", telemetry=reader)
+    plain = dspark_edge.load(engine, "fp32")
+    reader.set(mem_available_mb=100.0)
+    spec._sampler.latest = reader.read()
+    r = spec.generate("The quick brown fox", max_new_tokens=20, ignore_eos=True)
+    assert "memory" in (r.stats.drafter_disabled or "") and spec.drafter is None
+    assert r.token_ids == plain.generate("The quick brown fox", max_new_tokens=20, ignore_eos=True).token_ids
+    reader.set(mem_available_mb=4000.0)
+    spec._sampler.latest = reader.read()
+    r2 = spec.generate("The quick brown fox", max_new_tokens=20, ignore_eos=True)
+    assert spec.drafter is not None and r2.stats.drafter_disabled is None
+    spec.close()
 
 
 def test_drafter_refuses_a_foreign_target(tiny_with_drafter, tiny_hf, tmp_path):

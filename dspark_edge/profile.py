@@ -1,0 +1,234 @@
+"""Device profiles: measured cost of every variant of an engine on this device.
+
+``measure_profile`` times, for every target precision, one target pass at every listed verify
+width at a few context depths, and for every drafter precision one drafting round per block
+size (warm-up, then the median of repeats), recording the device identity, the engine's
+manifest hash, library versions and the temperature / frequency / load seen during the run.
+Profiles live in ``profiles/<device-key>.json``; ``load_profile`` finds this device's, and says
+when it is stale (engine changed) or was measured while throttled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ConfigError
+from .strict_json import from_json_dict, to_json_dict
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+@dataclass(frozen=True)
+class Timing:
+    role: str  # "target" | "drafter"
+    precision: str
+    width: int  # verify width, or the drafter's block size
+    context: int  # committed positions before the pass
+    median_ms: float
+    p90_ms: float
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    schema_version: int
+    device_key: str
+    device: dict[str, str]
+    engine: str
+    engine_sha256: str  # sha256 of the engine's manifest.json
+    versions: dict[str, str]
+    created_utc: str
+    max_temp_c: float | None
+    cpu_other_percent: float
+    throttled: bool
+    timings: tuple[Timing, ...]
+
+    def verify_ms(self, precision: str, context: int = 256) -> dict[int, float]:
+        """Median ms per verify width at the profiled depth nearest ``context``."""
+        rows = [t for t in self.timings if t.role == "target" and t.precision == precision]
+        if not rows:
+            raise ConfigError(f"the profile has no target timings at precision {precision}; re-run "
+                              "`python -m dspark_edge profile`")
+        depth = min({t.context for t in rows}, key=lambda d: abs(d - context))
+        return {t.width: t.median_ms for t in rows if t.context == depth}
+
+    def draft_ms(self, precision: str, block: int) -> float | None:
+        rows = [t.median_ms for t in self.timings if t.role == "drafter" and t.precision == precision
+                and t.width == block]
+        return float(np.median(rows)) if rows else None
+
+
+def device_identity() -> tuple[str, dict[str, str]]:
+    import psutil
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware")):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ident = {"cpu": cpu, "cores": str(psutil.cpu_count() or 0), "machine": platform.machine(),
+             "memory_gb": f"{psutil.virtual_memory().total / 2**30:.0f}", "system": platform.system()}
+    gpu = ""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        gpu = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        gpu = gpu.decode() if isinstance(gpu, bytes) else gpu
+        ident["gpu"] = gpu
+    except Exception:  # no NVML / no GPU: a CPU device
+        pass
+    key = re.sub(r"[^a-z0-9]+", "-", f"{ident['machine']} {cpu} {ident['cores']}c {gpu}".lower()).strip("-")
+    return key, ident
+
+
+def manifest_sha(engine_dir: Path) -> str:
+    return hashlib.sha256((Path(engine_dir) / "manifest.json").read_bytes()).hexdigest()
+
+
+def _time(fn, warmup: int, reps: int) -> tuple[float, float]:
+    for _ in range(warmup):
+        fn()
+    ms = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ms.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ms), float(np.percentile(ms, 90))
+
+
+def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512), warmup: int = 3, reps: int = 9,
+                    progress=None) -> DeviceProfile:
+    from . import __version__
+    from .decoder import DecoderModel
+    from .manifest import read_manifest
+    from .telemetry import SystemReader
+
+    engine_dir = Path(engine_dir)
+    manifest = read_manifest(engine_dir)
+    reader = SystemReader()
+    temps, others, throttled = [], [], False
+
+    def note():
+        nonlocal throttled
+        s = reader.read()
+        if s.max_temp_c is not None:
+            temps.append(s.max_temp_c)
+        others.append(s.cpu_other_percent)
+        throttled |= s.throttling
+
+    rng = np.random.default_rng(0)
+    timings = []
+    for precision in manifest.precisions("target"):
+        model = DecoderModel(manifest, engine_dir, precision)
+        cache = model.new_cache()
+        for depth in contexts:
+            cache.reset()
+            model.prefill(cache, rng.integers(10, manifest.model.vocab_size, depth).astype(np.int64))
+            for w in model.widths:
+                ids = rng.integers(10, manifest.model.vocab_size, w).astype(np.int64)
+                med, p90 = _time(lambda: model.step(cache, ids), warmup, reps)
+                timings.append(Timing("target", precision, w, depth, med, p90))
+                note()
+            if progress:
+                progress(f"target {precision} at context {depth}: " +
+                         " ".join(f"w{t.width}={t.median_ms:.1f}" for t in timings[-len(model.widths):]) + " ms")
+    if manifest.drafter is not None:
+        from .drafters.dspark import DSparkDrafter
+
+        for precision in manifest.precisions("drafter"):
+            d = DSparkDrafter(engine_dir, manifest, precision, verify_hashes=False)
+            for depth in contexts:
+                for block in d.blocks:
+                    d.begin(())
+                    feats = rng.standard_normal((depth, d.feature_dim)).astype(np.float32)
+                    d.base(feats, 5, depth, block - 1)
+                    pos = [depth]
+
+                    def one_round():
+                        pos[0] += 1
+                        d.base(feats[:1], 5, pos[0], block - 1)
+
+                    med, p90 = _time(one_round, warmup, reps)
+                    timings.append(Timing("drafter", precision, block, depth, med, p90))
+                    note()
+            if progress:
+                progress(f"drafter {precision}: " + " ".join(
+                    f"b{t.width}@{t.context}={t.median_ms:.1f}" for t in timings if t.role == "drafter"
+                    and t.precision == precision) + " ms")
+    key, ident = device_identity()
+    import onnxruntime
+
+    return DeviceProfile(
+        schema_version=SCHEMA_VERSION, device_key=key, device=ident, engine=manifest.model.name,
+        engine_sha256=manifest_sha(engine_dir),
+        versions={"dspark-edge": __version__, "onnxruntime": onnxruntime.__version__, "numpy": np.__version__},
+        created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        max_temp_c=max(temps) if temps else None, cpu_other_percent=float(np.median(others)) if others else 0.0,
+        throttled=throttled, timings=tuple(timings))
+
+
+def quick_verify_ms(model, context: int = 128, warmup: int = 2, reps: int = 3) -> dict[int, float]:
+    """A rough verify curve measured now (a second or so), for a device without a profile."""
+    rng = np.random.default_rng(0)
+    cache = model.new_cache()
+    vocab = model.manifest.model.vocab_size
+    model.prefill(cache, rng.integers(10, vocab, min(context, cache.capacity // 2)).astype(np.int64))
+    out = {}
+    for w in model.widths:
+        ids = rng.integers(10, vocab, w).astype(np.int64)
+        out[w] = _time(lambda: model.step(cache, ids), warmup, reps)[0]
+    cache.reset()
+    return out
+
+
+def profiles_dir() -> Path:
+    env = os.environ.get("DSPARK_PROFILES")
+    return Path(env) if env else DEFAULT_DIR
+
+
+def save_profile(profile: DeviceProfile, folder: Path | None = None) -> Path:
+    folder = folder or profiles_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{profile.device_key}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(to_json_dict(profile), indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read_profile(path: Path) -> DeviceProfile:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not a readable profile ({exc}); re-run `python -m dspark_edge profile`") from exc
+    return from_json_dict(DeviceProfile, data, str(path), error=ConfigError)
+
+
+def load_profile(engine_dir: str | Path, folder: Path | None = None) -> tuple[DeviceProfile | None, str]:
+    """This device's profile for ``engine_dir`` and a status: "ok", "missing", "stale" (the engine
+    changed since), or "throttled" (measured while the device was throttling)."""
+    key, _ = device_identity()
+    path = (folder or profiles_dir()) / f"{key}.json"
+    if not path.is_file():
+        return None, "missing"
+    profile = read_profile(path)
+    if profile.engine_sha256 != manifest_sha(Path(engine_dir)):
+        return profile, "stale"
+    return profile, "throttled" if profile.throttled else "ok"
