@@ -118,6 +118,7 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
             rows[name].append({"id": rec["id"], "category": rec["category"], "tokens_per_s": s.tokens_per_s,
                                "decode_s": s.decode_s, "new_tokens": s.new_tokens, "rounds": s.rounds,
                                "draft_n": s.draft_n, "draft_n_accepted": s.draft_n_accepted,
+                               "hist": dict(s.accept_length_hist), "widths": dict(s.widths),
                                "exact": r.token_ids == baseline})
         if progress:
             progress(i + 1, len(prompts), {n: rows[n][-1]["tokens_per_s"] for n in rows})
@@ -133,8 +134,19 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
         per_cat: dict[str, list[float]] = {}
         for r in rs:
             per_cat.setdefault(r["category"], []).append(r["tokens_per_s"])
+        hist: dict[int, int] = {}
+        widths: dict[str, int] = {}
+        for r in rs:
+            for k, v in r["hist"].items():
+                hist[int(k)] = hist.get(int(k), 0) + v
+            for k, v in r["widths"].items():
+                widths[k] = widths.get(k, 0) + v
+        drafted_rounds = sum(hist.values())
+        reach = [round(sum(v for k, v in hist.items() if k >= j) / drafted_rounds, 3)
+                 for j in range(1, max(hist, default=0) + 1)] if drafted_rounds else []
         summary[name] = {
             "tokens_per_s": round(rate, 2), "speedup": round(rate / base_rate, 3),
+            "accepted_at_least": reach, "widths": dict(sorted(widths.items(), key=lambda kv: int(kv[0]))),
             "acceptance": round(accepted / drafted, 3) if drafted else None,
             "mean_accepted_length": round((accepted + rounds) / rounds, 3) if rounds else None,
             "exact_prompts": f"{sum(r['exact'] for r in rs)}/{len(rs)}",

@@ -68,11 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--depth", type=int, default=128, help="cached positions for the verify cost curve")
     b.add_argument("--repeats", type=int, default=15, help="timed repeats per width for the verify curve")
     b.add_argument("--drafter", default=None,
-                   help="compare plain decoding with this drafter ('ngram' or a draft-model engine folder), "
-                        "interleaved per prompt: draft length chosen per round by min_survival ('auto') "
-                        "and fixed at every listed draft length")
+                   help="compare plain decoding with this drafter ('dspark', 'dspark:int8', 'ngram' or a "
+                        "draft-model engine folder), interleaved per prompt: verify width chosen per round by "
+                        "the scheduler ('auto') and fixed at every listed draft length")
     b.add_argument("--draft-tokens", default=None,
                    help="comma-separated draft lengths to compare (default: every listed width - 1)")
+
+    pr = sub.add_parser("profile", help="measure this device's cost of every variant of an engine",
+                        description="Time the target at every verify width and the drafter at every block size "
+                                    "(warm-up, median of repeats, at several context depths) and write "
+                                    "profiles/<device-key>.json, which the scheduler loads automatically.")
+    pr.add_argument("--engine", required=True)
+    pr.add_argument("--contexts", default="64,512", help="context depths (default: %(default)s)")
+    pr.add_argument("--repeats", type=int, default=9, help="timed repeats per variant (default: %(default)s)")
+    pr.add_argument("--output-dir", default=None, help="where to write (default: DSPARK_PROFILES or profiles/)")
+    pr.add_argument("--json", action="store_true", help="print the profile as JSON")
 
     i = sub.add_parser("inspect", help="print an engine folder's manifest summary (or --json)")
     i.add_argument("--engine", required=True)
@@ -166,9 +176,37 @@ def cmd_inspect(args) -> int:
         print(f"validation {r.precision:<5} max|Δlogit| {r.max_abs_logit_diff:.2e}  greedy "
               f"{r.greedy_tokens_matched}/{r.greedy_tokens_compared}  top-1 {r.teacher_forced_top1:.0%}  "
               f"{'passed' if r.passed else 'FAILED'}")
+    if m.drafter is not None:
+        d = m.drafter
+        print(f"drafter    dspark: {d.num_layers} layers, {d.slots} slots, draft vocab {d.draft_vocab}, Markov rank "
+              f"{d.markov_rank}, calibrated T {' '.join(f'{t:.2f}' for t in d.temperatures)}")
+    from .profile import load_profile
+    from .telemetry import SystemReader
+
+    prof, status = load_profile(args.engine)
+    print(f"profile    {status}" + (f" ({prof.device_key}, {prof.created_utc})" if prof else
+                                    " (run `python -m dspark_edge profile --engine ...`)"))
+    print(f"telemetry  {', '.join(SystemReader().sources())}")
     total = sum(f.size for f in m.files)
     print(f"files      {len(m.files)}, {total / 2**20:.1f} MiB, "
           f"{'sha256 verified' if args.verify_hashes else 'sizes verified'}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from pathlib import Path
+
+    from .profile import measure_profile, save_profile
+    from .strict_json import to_json_dict
+
+    contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
+    prof = measure_profile(args.engine, contexts=contexts, reps=args.repeats,
+                           progress=lambda m: print(f"[profile] {m}", file=sys.stderr, flush=True))
+    path = save_profile(prof, Path(args.output_dir) if args.output_dir else None)
+    if args.json:
+        print(json.dumps(to_json_dict(prof), indent=1))
+    print(f"[profile] wrote {path} (device {prof.device_key}; max temp {prof.max_temp_c}, "
+          f"other load {prof.cpu_other_percent:.0f}%, throttled {prof.throttled})", file=sys.stderr)
     return 0
 
 
@@ -177,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench, "inspect": cmd_inspect}[args.command](args)
+        return {"generate": cmd_generate, "bench": cmd_bench, "inspect": cmd_inspect,
+                "profile": cmd_profile}[args.command](args)
     except DSparkError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

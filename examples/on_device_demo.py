@@ -6,8 +6,10 @@
 
 The panel shows the variant in use, speed, memory, CPU load and temperature as they
 change. When stdout is not a terminal (or `rich` is missing) it prints plain lines.
-It decodes speculatively with the model-free n-gram drafter by default (--drafter none
-for plain decoding, or a draft-model engine folder).
+It decodes speculatively with the engine's DSpark drafter when it has one (else the
+model-free n-gram drafter); the confidence scheduler picks each round's verify width from the
+drafts' calibrated confidences and the device's state, and the panel says what it chose and why.
+--drafter none decodes plainly.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def status_lines(pipe, tokens: int, elapsed: float, first_token_s: float | None,
         ("variant", f"target {t.precision}, verify width {last.width if last else 1} of "
                     f"{', '.join(map(str, t.widths))}"),
         ("last round", f"{last.accepted}/{last.drafted} drafts accepted" if last else "…"),
+        ("scheduler", (f"{last.decision.mode}: {last.decision.reason}" if last and last.decision
+                       else "off (fixed rule)" if pipe.drafter is not None else "—")),
         ("confidence", " ".join(f"{c:.2f}" for c in last.confidence) if last and last.confidence else "—"),
         ("acceptance", f"{last.accepted_total}/{last.draft_n_total} "
                        f"({last.accepted_total / last.draft_n_total:.0%})" if last and last.draft_n_total else "—"),
@@ -123,8 +127,9 @@ def main() -> int:
     ap.add_argument("--engine", default=str(DEFAULT_ENGINE), help="engine folder (default: %(default)s)")
     ap.add_argument("--precision", default=None, help="target precision (default: int8 when exported, else fp32)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
-    ap.add_argument("--drafter", default="ngram",
-                    help="'ngram' (default), 'none' for plain decoding, or a draft-model engine folder")
+    ap.add_argument("--drafter", default=None,
+                    help="'dspark' (default when the engine has one), 'ngram' (default otherwise), 'none' for "
+                         "plain decoding, or a draft-model engine folder")
     ap.add_argument("--chat", action="store_true", help="interactive chat (empty line or Ctrl-D quits)")
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -141,7 +146,8 @@ def main() -> int:
     try:
         manifest = dspark_edge.read_manifest(args.engine)
         precision = args.precision or ("int8" if "int8" in manifest.precisions("target") else None)
-        pipe = dspark_edge.load(args.engine, precision, drafter=args.drafter)
+        drafter = args.drafter or ("dspark" if manifest.drafter is not None else "ngram")
+        pipe = dspark_edge.load(args.engine, precision, drafter=drafter)
         cfg = dspark_edge.GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                            seed=args.seed)
         if not args.chat:

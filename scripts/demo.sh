@@ -11,4 +11,9 @@ if [ ! -f "$engine/manifest.json" ]; then
   echo "[demo] exporting the embedded default model to $engine (about 2 minutes)" >&2
   "$py" -m export target --source default --output "$engine" --precisions fp32,int8
 fi
+weights=${DSPARK_DRAFTER_WEIGHTS:-drafters/smollm2-135m}
+if [ -f "$weights/drafter.json" ] && ! "$py" -c "import sys, dspark_edge; sys.exit(dspark_edge.read_manifest('$engine').drafter is None)"; then
+  echo "[demo] adding the shipped DSpark drafter ($weights) to $engine" >&2
+  "$py" -m export drafter --target "$engine" --weights "$weights"
+fi
 exec "$py" examples/on_device_demo.py --engine "$engine" "$@"

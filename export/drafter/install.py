@@ -133,6 +133,7 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
                        tables=rel("tables.npz"), embedding=rel("embedding.npy"),
                        provenance={"weights": str(weights), "training_data": training["data"],
                                    "training_steps": str(training["steps"]),
+                                   "weights_sha256": sha256_file(weights / "weights.npz"),
                                    "validation": json.dumps(report)})
     new = dataclasses.replace(manifest, variants=tuple(variants), files=tuple(keep_files + new_files), drafter=info)
     write_manifest(new, target_engine)

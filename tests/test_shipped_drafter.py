@@ -1,0 +1,56 @@
+"""The DSpark drafter shipped for the embedded default (``drafters/smollm2-135m``): it installs
+into the default engine, loads with its hashes checked, keeps greedy output exact, and is
+accepted often on a few benchmark prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WEIGHTS = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def engine(default_engine):
+    from dspark_edge.manifest import read_manifest, sha256_file
+    from export.drafter.install import install_drafter
+
+    if not (WEIGHTS / "weights.npz").is_file():
+        pytest.fail(f"the shipped drafter is missing from {WEIGHTS}")
+    m = read_manifest(default_engine)
+    sha = sha256_file(WEIGHTS / "weights.npz")
+    if m.drafter is None or m.drafter.provenance.get("weights_sha256") != sha:
+        install_drafter(default_engine, WEIGHTS, progress=lambda msg: None)
+    return default_engine
+
+
+def test_shipped_weights_are_small_and_documented():
+    size = sum(p.stat().st_size for p in WEIGHTS.iterdir())
+    assert size <= 40 * 2**20
+    meta = json.loads((WEIGHTS / "drafter.json").read_text())
+    assert "train-drafter" in meta["training"]["command"] and meta["training"]["steps"] > 0
+    rep = json.loads((WEIGHTS / "calibration.json").read_text())
+    assert len(rep["positions"]) == meta["config"]["slots"]
+
+
+def test_shipped_drafter_is_exact_and_accepted(engine):
+    import dspark_edge
+    from dspark_edge.bench import load_prompts
+
+    plain = dspark_edge.load(engine, "fp32")
+    spec = dspark_edge.load(engine, "fp32", drafter="dspark", verify_hashes=True)
+    accepted = drafted = rounds = 0
+    for rec in load_prompts()[::4]:
+        a = plain.generate(rec["messages"], max_new_tokens=64, ignore_eos=True)
+        b = spec.generate(rec["messages"], max_new_tokens=64, ignore_eos=True, draft_tokens=7)
+        assert b.token_ids == a.token_ids, rec["id"]
+        accepted += b.stats.draft_n_accepted
+        drafted += b.stats.draft_n
+        rounds += b.stats.rounds
+    tau = (accepted + rounds) / rounds
+    assert tau >= 2.0, f"mean accepted length {tau:.2f} per round at block 8"
+    spec.close()
