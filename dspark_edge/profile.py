@@ -48,7 +48,7 @@ class DeviceProfile:
     device_key: str
     device: dict[str, str]
     engine: str
-    engine_sha256: str  # sha256 of the engine's manifest.json
+    engine_sha256: str  # hash over the sha256 of the engine's files (``manifest_sha``)
     versions: dict[str, str]
     created_utc: str
     max_temp_c: float | None
@@ -99,7 +99,13 @@ def device_identity() -> tuple[str, dict[str, str]]:
 
 
 def manifest_sha(engine_dir: Path) -> str:
-    return hashlib.sha256((Path(engine_dir) / "manifest.json").read_bytes()).hexdigest()
+    """The engine's identity: a hash over the sha256 of every file its manifest lists (so a
+    re-export of the same model on another machine of the same kind keeps its profile)."""
+    from .manifest import read_manifest
+
+    m = read_manifest(engine_dir)
+    return hashlib.sha256("".join(f"{f.path}:{f.sha256};" for f in sorted(m.files, key=lambda f: f.path))
+                          .encode()).hexdigest()
 
 
 def _time(fn, warmup: int, reps: int) -> tuple[float, float]:
