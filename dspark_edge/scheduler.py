@@ -189,7 +189,7 @@ class Scheduler:
             self.mode = "normal"
         if self.mode != old:
             log.info("scheduler mode %s → %s (max temp %s °C, throttling %s)", old, self.mode, t, snap.throttle_source)
-        if not self.memory_low and snap.mem_available_mb and snap.mem_available_mb < cfg.memory_low_mb:
+        if not self.memory_low and snap.mem_total_mb > 0 and snap.mem_available_mb < cfg.memory_low_mb:
             self.memory_low = True
             log.warning("available memory %.0f MiB < %.0f MiB: dropping the drafter", snap.mem_available_mb,
                         cfg.memory_low_mb)

@@ -72,6 +72,28 @@ class Snapshot:
         return cls(**d)
 
 
+def sanitized(s: Snapshot) -> Snapshot:
+    """Drop readings no real device gives (a broken sensor or driver): temperatures outside
+    -40..150 °C, negative memory, loads outside 0..100 %. Logged, never fatal."""
+    bad = {k: v for k, v in s.temps_c.items() if not -40.0 <= v <= 150.0}
+    changes: dict = {}
+    if bad:
+        changes["temps_c"] = {k: v for k, v in s.temps_c.items() if k not in bad}
+    if s.mem_available_mb < 0 or s.mem_total_mb < 0 or s.mem_available_mb > max(s.mem_total_mb, 0) > 0:
+        changes["mem_available_mb"], changes["mem_total_mb"] = 0.0, 0.0
+        bad["memory"] = s.mem_available_mb
+    if not 0.0 <= s.cpu_percent <= 100.0 or not 0.0 <= s.cpu_other_percent <= 100.0:
+        changes["cpu_percent"], changes["cpu_other_percent"] = 0.0, 0.0
+        bad["cpu"] = s.cpu_percent
+    if s.gpu is not None and s.gpu.temp_c is not None and not -40.0 <= s.gpu.temp_c <= 150.0:
+        changes["gpu"] = replace(s.gpu, temp_c=None)
+        bad["gpu_temp"] = s.gpu.temp_c
+    if bad:
+        log.warning("ignoring implausible telemetry readings: %s", bad)
+        return replace(s, **changes)
+    return s
+
+
 class Reader(Protocol):
     def read(self) -> Snapshot: ...
 
@@ -244,7 +266,7 @@ class Sampler:
 
     def __init__(self, reader: Reader, interval_s: float = 0.2) -> None:
         self.reader, self.interval_s = reader, interval_s
-        self.latest: Snapshot = reader.read()
+        self.latest: Snapshot = sanitized(reader.read())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dspark-telemetry", daemon=True)
         self._thread.start()
@@ -252,7 +274,7 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.latest = self.reader.read()  # one reference swap: readers see old or new
+                self.latest = sanitized(self.reader.read())  # one reference swap: readers see old or new
             except Exception as exc:  # telemetry must never take decoding down
                 log.warning("telemetry read failed: %s", exc)
 

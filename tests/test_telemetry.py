@@ -119,3 +119,20 @@ def test_measure_profile_on_the_tiny_engine(tiny_engine):
     assert {(t.precision, t.width, t.context) for t in rows} == {
         (p, w, c) for p in ("fp32", "int8") for w in (1, 2, 3, 4) for c in (8, 32)}
     assert all(t.median_ms > 0 for t in rows) and prof.versions["onnxruntime"]
+
+
+def test_implausible_readings_are_ignored_with_a_warning(caplog):
+    from dspark_edge.scheduler import CostModel, Scheduler
+    from dspark_edge.telemetry import sanitized
+
+    bad = Snapshot(t=0, mem_total_mb=8000, mem_available_mb=-5.0, temps_c={"cpu": 200.0, "ok": 50.0},
+                   cpu_percent=250.0)
+    with caplog.at_level("WARNING"):
+        s = sanitized(bad)
+    assert "implausible" in caplog.text
+    assert s.temps_c == {"ok": 50.0} and s.mem_total_mb == 0.0 and s.cpu_percent == 0.0
+    sched = Scheduler(CostModel({1: 1.0, 2: 1.2}, 0.1), (1, 2))
+    assert sched.wants_draft(s) and sched.mode == "normal" and not sched.memory_low
+    sampler = Sampler(FakeReader(bad), interval_s=10)
+    assert sampler.latest.temps_c == {"ok": 50.0}
+    sampler.close()
