@@ -28,6 +28,31 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "an unavailable one is an error unless --fallback-to-cpu")
     p.add_argument("--fallback-to-cpu", action="store_true",
                    help="use the CPU provider (logged) when a requested provider is unavailable")
+    p.add_argument("--no-scheduler", action="store_true",
+                   help="with a drafter: keep drafts by the survival cut instead of the confidence scheduler")
+    p.add_argument("--sched", action="append", default=[], metavar="KEY=VALUE",
+                   help="a SchedulerConfig field, e.g. --sched hot_c=75 --sched probe_every=8 (repeatable)")
+
+
+def _scheduler_config(args):
+    import dataclasses
+
+    from .errors import ConfigError
+    from .scheduler import SchedulerConfig
+
+    if args.no_scheduler:
+        return False
+    fields = {f.name: f.type for f in dataclasses.fields(SchedulerConfig)}
+    values = {}
+    for item in args.sched:
+        key, _, raw = item.partition("=")
+        if key not in fields or not raw:
+            raise ConfigError(f"--sched {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+        try:
+            values[key] = int(raw) if fields[key] in (int, "int") else float(raw)
+        except ValueError:
+            raise ConfigError(f"--sched {item!r}: {raw!r} is not a number") from None
+    return SchedulerConfig(**values)
 
 
 def _load(args, drafter=None):
@@ -37,7 +62,7 @@ def _load(args, drafter=None):
                              intra_op_threads=args.threads, max_context=args.max_context,
                              fallback_to_cpu=args.fallback_to_cpu)
     return load(args.engine, args.precision, drafter=drafter, options=options,
-                verify_hashes=not args.no_verify_hashes)
+                verify_hashes=not args.no_verify_hashes, scheduler=_scheduler_config(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(g)
     g.add_argument("prompt", help="the prompt (sent through the chat template unless --raw)")
     g.add_argument("--raw", action="store_true", help="use the prompt as plain text, no chat template")
+    g.add_argument("--drafter", default=None,
+                   help="speculative decoding with 'dspark', 'dspark:int8', 'ngram' or a draft-model engine folder "
+                        "(default: plain decoding)")
     g.add_argument("--system", default=None, help="system message (chat mode)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -92,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args) -> int:
-    pipe = _load(args)
+    pipe = _load(args, drafter=args.drafter)
     if args.raw:
         prompt = args.prompt
     else:

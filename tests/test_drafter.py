@@ -311,3 +311,32 @@ def test_training_prompts_are_disjoint_from_the_benchmark():
                    for m in json.loads(line)["messages"]}
     train_texts = {m["content"] for r in training_prompts() for m in r["messages"]}
     assert len(train_texts) > 500 and not (bench_texts & train_texts)
+
+
+def test_sampling_follows_the_target_with_the_dspark_drafter_and_switching_widths(tiny_with_drafter):
+    import dspark_edge
+    from dspark_edge.telemetry import FakeReader
+    from test_speculative_tiny import _chi2_rejects, _exact_joint
+
+    engine, _, _ = tiny_with_drafter
+    spec = dspark_edge.load(engine, "fp32", drafter="dspark", telemetry=FakeReader())
+    spec.scheduler = _CyclingScheduler(spec.scheduler)
+    prompt = "The quick brown fox The quick brown"
+    exact = _exact_joint(spec, spec.encode_prompt(prompt), top_k=4)
+    assert not _chi2_rejects(spec, prompt, exact, 3000, 4)
+    spec.close()
+
+
+def test_cli_generates_with_the_dspark_drafter_and_scheduler_knobs(tiny_with_drafter, capsys):
+    from dspark_edge.cli import main
+
+    engine, _, _ = tiny_with_drafter
+    rc = main(["generate", "--engine", str(engine), "--drafter", "dspark", "--raw", "The quick", "--max-new-tokens",
+               "8", "--json", "--sched", "hot_c=70", "--sched", "probe_every=4"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["stats"]["drafter"] == "dspark" and len(out["token_ids"]) == 8
+    assert main(["generate", "--engine", str(engine), "--drafter", "dspark", "--raw", "x", "--sched", "hot=1"]) == 2
+    assert "KEY one of" in capsys.readouterr().err
+    assert main(["inspect", "--engine", str(engine)]) == 0
+    text = capsys.readouterr().out
+    assert "drafter    dspark" in text and "telemetry" in text and "profile" in text
