@@ -97,22 +97,28 @@ def verify_cost_curve(target: DecoderModel, depth: int = 128, repeats: int = 15,
 
 
 def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str, object, dict]],
-                  max_new_tokens: int = 128, progress=None) -> dict:
+                  max_new_tokens: int = 128, progress=None, plain_pipe: Pipeline | None = None) -> dict:
     """Interleaved comparison: for each prompt, every variant (name, drafter, config overrides)
     runs back to back, greedy, exactly ``max_new_tokens`` tokens. The first variant is the
-    baseline: speedups are relative to it, and ``exact`` counts prompts whose tokens equal it."""
+    baseline: speedups are relative to it, and ``exact`` counts prompts whose tokens equal it.
+    A variant whose drafter is the string "plain_pipe" runs plainly on ``plain_pipe`` (a
+    pipeline opened without a drafter, so with its own session options)."""
     base_cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
     rows: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
     warm = prompts[0].get("messages") or prompts[0]["prompt"]
-    for _, drafter, overrides in variants:
+    def run(drafter, prompt, overrides):
+        if isinstance(drafter, str) and drafter == "plain_pipe":
+            return plain_pipe.generate(prompt, base_cfg, **overrides)
         pipe.drafter = drafter
-        pipe.generate(warm, base_cfg, **overrides)
+        return pipe.generate(prompt, base_cfg, **overrides)
+
+    for _, drafter, overrides in variants:
+        run(drafter, warm, overrides)
     for i, rec in enumerate(prompts):
         prompt = rec.get("messages") or rec["prompt"]
         baseline = None
         for name, drafter, overrides in variants:
-            pipe.drafter = drafter
-            r = pipe.generate(prompt, base_cfg, **overrides)
+            r = run(drafter, prompt, overrides)
             baseline = baseline or r.token_ids
             s = r.stats
             rows[name].append({"id": rec["id"], "category": rec["category"], "tokens_per_s": s.tokens_per_s,

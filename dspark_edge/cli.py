@@ -165,14 +165,18 @@ def cmd_bench(args) -> int:
         drafter = pipe.drafter  # loaded with the target (a draft model also turns off thread spinning)
         ks = [int(k) for k in args.draft_tokens.split(",")] if args.draft_tokens else \
             [w - 1 for w in pipe.target.widths if w > 1]
-        variants = [("plain", None, {}), (f"{drafter.name} auto", drafter, {})] + \
+        variants = [("plain", None, {}), ("plain, own session", "plain_pipe", {}),
+                    (f"{drafter.name} auto", drafter, {})] + \
                    [(f"{drafter.name} k={k}", drafter, {"draft_tokens": k}) for k in ks]
 
         def progress_cmp(done, total, rates):
             print(f"[bench] {done}/{total} " + ", ".join(f"{n}: {v:.1f}" for n, v in rates.items()),
                   file=sys.stderr, flush=True)
 
-        report["comparison"] = bench_compare(pipe, prompts, variants, args.max_new_tokens, progress=progress_cmp)
+        # "plain" shares the speculative pipeline's session options (thread spinning off when two
+        # sessions take turns); "plain, own session" is a pipeline opened without a drafter.
+        report["comparison"] = bench_compare(pipe, prompts, variants, args.max_new_tokens, progress=progress_cmp,
+                                             plain_pipe=_load(args))
     else:
         report["generation"] = bench_generation(pipe, prompts, args.max_new_tokens, progress=progress)
     report["verify_cost"] = verify_cost_curve(pipe.target, depth=args.depth, repeats=args.repeats)

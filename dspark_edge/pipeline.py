@@ -88,6 +88,7 @@ class Pipeline:
         self.scheduler: Scheduler | None = None
         self._sampler: Sampler | None = None
         self._make_drafter = None
+        self._unloaded = False  # the drafter was released under memory pressure
         self.profile_status = "unused"
         if 1 not in target.widths:
             raise ConfigError(f"plain decoding needs a width-1 target variant; this engine lists {target.widths}")
@@ -126,13 +127,13 @@ class Pipeline:
 
     def _restore_drafter(self) -> None:
         """After a memory squeeze: take the drafter back once memory allows."""
-        if self.drafter is None and self._make_drafter is not None and self.scheduler is not None:
+        if self._unloaded and self._make_drafter is not None and self.scheduler is not None:
             snap = self.telemetry()
             if snap is not None:
                 self.scheduler.update_modes(snap)
             if self.scheduler.memory_low:
                 return
-            self.drafter = self._make_drafter()
+            self.drafter, self._unloaded = self._make_drafter(), False
             log.info("drafter reloaded")
 
     # -- prompts ----------------------------------------------------------------------------
@@ -286,7 +287,7 @@ class TextStream:
                         log.warning("%s", drafter_disabled)
                         drafter, hidden_rows = None, None
                         if p._make_drafter is not None:
-                            p.drafter = None  # release its session; reloaded when memory allows
+                            p.drafter, p._unloaded = None, True  # release its session; reloaded when memory allows
                     if drafter is not None and k_max > 0 and wants:
                         t_d = time.perf_counter()
                         try:

@@ -96,7 +96,7 @@ def test_speculative_ngram_exact_on_prompt_set(default_engine):
     from dspark_edge.bench import load_prompts
 
     plain = dspark_edge.load(default_engine, verify_hashes=False)
-    spec = dspark_edge.load(default_engine, drafter="ngram", verify_hashes=False)
+    spec = dspark_edge.load(default_engine, drafter="ngram", verify_hashes=False, scheduler=False)
     drafted = 0
     for rec in load_prompts():
         want = plain.generate(rec["messages"], max_new_tokens=48, ignore_eos=True)

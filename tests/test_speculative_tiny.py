@@ -46,7 +46,7 @@ def _check_exact(plain, spec, prompts, n=24, **kw):
 @pytest.mark.parametrize("drafter", ["ngram", "self", "poor"])
 def test_greedy_speculative_equals_plain(plain, tiny_engine, tiny_draft_self, tiny_draft_poor, drafter):
     src = {"ngram": "ngram", "self": tiny_draft_self, "poor": tiny_draft_poor}[drafter]
-    spec = dspark_edge.load(tiny_engine, drafter=src)
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=src)
     ties = _check_exact(plain, spec, PROMPTS)
     assert ties <= 2, f"{ties} float ties in {len(PROMPTS)} prompts"
     r = spec.generate(PROMPTS[0], max_new_tokens=24, ignore_eos=True)
@@ -55,7 +55,7 @@ def test_greedy_speculative_equals_plain(plain, tiny_engine, tiny_draft_self, ti
 
 
 def test_self_drafter_accepts_everything(tiny_engine, tiny_draft_self):
-    spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_self)
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=tiny_draft_self)
     r = spec.generate(PROMPTS[3], max_new_tokens=40, ignore_eos=True, min_survival=0.0)
     s = r.stats
     assert s.acceptance_rate > 0.95
@@ -65,7 +65,7 @@ def test_self_drafter_accepts_everything(tiny_engine, tiny_draft_self):
 
 
 def test_every_fixed_width_is_exact_and_unlisted_is_rejected(plain, tiny_engine, tiny_draft_poor):
-    spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_poor)
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=tiny_draft_poor)
     for k in (0, 1, 2, 3):
         assert _check_exact(plain, spec, PROMPTS[:6], draft_tokens=k) <= 1
         r = spec.generate(PROMPTS[1], max_new_tokens=16, ignore_eos=True, draft_tokens=k)
@@ -77,7 +77,7 @@ def test_every_fixed_width_is_exact_and_unlisted_is_rejected(plain, tiny_engine,
 
 def test_rollback_cache_equals_plain_cache(tiny_engine, tiny_draft_poor):
     """After accepts and rejects, the KV cache holds exactly what plain prefill would."""
-    spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_poor)
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=tiny_draft_poor)
     prompt = PROMPTS[5]
     r = spec.generate(prompt, max_new_tokens=30, ignore_eos=True)
     assert r.stats.draft_n > r.stats.draft_n_accepted > 0, "need both accepts and rejects"
@@ -91,7 +91,7 @@ def test_rollback_cache_equals_plain_cache(tiny_engine, tiny_draft_poor):
 
 
 def test_eos_inside_accepted_block_ends_there(tiny_engine, tiny_draft_self):
-    spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_self)
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=tiny_draft_self)
     full = spec.generate(PROMPTS[2], max_new_tokens=20, ignore_eos=True, min_survival=0.0)
     assert full.stats.widths.get("4", 0) > 0
     stop_id = full.token_ids[6]  # lands inside a block of 4 accepted drafts
@@ -101,13 +101,13 @@ def test_eos_inside_accepted_block_ends_there(tiny_engine, tiny_draft_self):
 
 
 def test_max_new_tokens_never_exceeded(tiny_engine, tiny_draft_self):
-    spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_self)
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=tiny_draft_self)
     for n in (1, 2, 3, 5, 9):
         assert len(spec.generate(PROMPTS[0], max_new_tokens=n, ignore_eos=True).token_ids) == n
 
 
 def test_sampling_reproducible_with_seed(tiny_engine, tiny_draft_poor):
-    spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_poor)
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=tiny_draft_poor)
     cfg = GenerationConfig(max_new_tokens=20, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
     assert spec.generate(PROMPTS[0], cfg).token_ids == spec.generate(PROMPTS[0], cfg).token_ids
 
@@ -152,7 +152,7 @@ def _chi2_rejects(pipe, prompt, exact, n, top_k) -> bool:
 @pytest.mark.parametrize("drafter", ["poor", "ngram"])
 def test_sampled_speculative_follows_target_distribution(tiny_engine, tiny_draft_poor, drafter):
     src = tiny_draft_poor if drafter == "poor" else NgramDrafter(min_n=1, max_n=2)
-    spec = dspark_edge.load(tiny_engine, drafter=src)
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=src)
     prompt = "The quick brown fox The quick brown"
     exact = _exact_joint(spec, spec.encode_prompt(prompt), top_k=4)
     assert not _chi2_rejects(spec, prompt, exact, 3000, 4)
@@ -168,7 +168,7 @@ def test_distribution_check_catches_a_wrong_acceptance_rule(tiny_engine, tiny_dr
         return VerifyOutcome(len(drafts), tuple(int(x) for x in drafts) + full.tokens, True)
 
     monkeypatch.setattr(pl, "verify_sampling", always_accept)
-    spec = dspark_edge.load(tiny_engine, drafter=tiny_draft_poor)
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=tiny_draft_poor)
     prompt = "The quick brown fox The quick brown"
     exact = _exact_joint(spec, spec.encode_prompt(prompt), top_k=4)
     assert _chi2_rejects(spec, prompt, exact, 3000, 4)
@@ -188,14 +188,14 @@ class _Broken:
 
 
 def test_failing_drafter_falls_back_to_plain(plain, tiny_engine):
-    spec = dspark_edge.load(tiny_engine, drafter=_Broken())
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=_Broken())
     r = spec.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True)
     assert r.stats.drafter_disabled and "drafter crashed" in r.stats.drafter_disabled
     assert r.token_ids == plain.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True).token_ids
 
 
 def test_stats_are_consistent(tiny_engine):
-    spec = dspark_edge.load(tiny_engine, drafter="ngram")
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter="ngram")
     r = spec.generate("The quick brown fox The quick brown fox The quick", max_new_tokens=40, ignore_eos=True)
     s = r.stats
     assert sum(s.widths.values()) == s.rounds
@@ -205,7 +205,7 @@ def test_stats_are_consistent(tiny_engine):
 
 
 def test_speculative_off_is_plain(tiny_engine):
-    spec = dspark_edge.load(tiny_engine, drafter="ngram")
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter="ngram")
     r = spec.generate(PROMPTS[0], max_new_tokens=10, speculative=False)
     assert r.stats.draft_n == 0 and set(r.stats.widths) == {"1"} and r.stats.drafter == "none"
 
@@ -227,7 +227,7 @@ def test_draft_model_with_other_tokenizer_rejected(tiny_engine, tiny_draft_poor,
     write_manifest(replace(m, files=tuple(file_entry(bad, f.path) if f.path == "tokenizer.json" else f
                                           for f in m.files)), bad)
     with pytest.raises(EngineError, match="different tokenizer"):
-        dspark_edge.load(tiny_engine, drafter=bad)
+        dspark_edge.load(tiny_engine, scheduler=False, drafter=bad)
 
 
 class _HiddenRecorder:
@@ -256,7 +256,7 @@ class _HiddenRecorder:
 
 def test_hidden_states_of_committed_positions_reach_the_drafter(tiny_engine):
     rec = _HiddenRecorder()
-    spec = dspark_edge.load(tiny_engine, drafter=rec)
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=rec)
     spec.generate(PROMPTS[4], max_new_tokens=12, ignore_eos=True)
     got = np.concatenate(rec.rows)
     committed = rec.contexts[-1][:-1]  # everything before the last anchor
