@@ -327,7 +327,10 @@ class TextStream:
                                                   cfg.top_k, cfg.top_p, rng)
                     st.verify_s += time.perf_counter() - t_v
                     if sched is not None:
-                        sched.observe(width, (time.perf_counter() - t_v) * 1e3)
+                        verify_ms = (time.perf_counter() - t_v) * 1e3
+                        sched.observe(width, verify_ms)
+                        if len(draft):  # t_d: when this round's drafting began
+                            sched.observe_round(1 + outcome.accepted, (time.perf_counter() - t_d) * 1e3)
                     cache.commit(1 + outcome.accepted)  # the anchor and the accepted drafts
                     if hidden_rows is not None and out.hidden is not None:
                         hidden_rows.append(out.hidden[:1 + outcome.accepted].copy())

@@ -99,13 +99,15 @@ def device_identity() -> tuple[str, dict[str, str]]:
 
 
 def manifest_sha(engine_dir: Path) -> str:
-    """The engine's identity: a hash over the sha256 of every file its manifest lists (so a
-    re-export of the same model on another machine of the same kind keeps its profile)."""
+    """The engine's identity for profiles: a hash over the sha256 of its target graph files
+    (so a re-export of the same model on another machine of the same kind, or adding a
+    drafter, keeps the verify curve the scheduler reads)."""
     from .manifest import read_manifest
 
     m = read_manifest(engine_dir)
-    return hashlib.sha256("".join(f"{f.path}:{f.sha256};" for f in sorted(m.files, key=lambda f: f.path))
-                          .encode()).hexdigest()
+    target_files = {v.file for v in m.variants if v.role == "target"}
+    entries = sorted((f for f in m.files if f.path in target_files), key=lambda f: f.path)
+    return hashlib.sha256("".join(f"{f.path}:{f.sha256};" for f in entries).encode()).hexdigest()
 
 
 def _time(fn, warmup: int, reps: int) -> tuple[float, float]:

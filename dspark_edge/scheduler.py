@@ -170,6 +170,8 @@ class Scheduler:
         self.memory_low = False
         self.step = 0
         self._since_probe = 0
+        self.spec_rate: float | None = None  # tokens per ms of recent speculative rounds
+        self._spec_rounds = 0
         self.decisions: deque[Decision] = deque(maxlen=self.config.max_record)
 
     # -- modes ------------------------------------------------------------------------------
@@ -198,11 +200,13 @@ class Scheduler:
             log.info("available memory %.0f MiB: drafter may come back", snap.mem_available_mb)
 
     def wants_draft(self, snap: Snapshot) -> bool:
-        """Before drafting: False when parked (except on a probe round) or memory is low."""
+        """Before drafting: False when parked, or when speculative rounds have recently produced
+        fewer tokens per ms than plain steps would (the gate), except on a probe round; False
+        when memory is low."""
         self.update_modes(snap)
         if self.memory_low:
             return False
-        if self.mode == "parked":
+        if self.mode == "parked" or self.gated:
             self._since_probe += 1
             if self._since_probe >= self.config.probe_every:
                 self._since_probe = 0
@@ -210,8 +214,25 @@ class Scheduler:
             return False
         return True
 
+    @property
+    def gated(self) -> bool:
+        """Speculation is not paying: the observed speculative rate is below the plain rate."""
+        if self.spec_rate is None or self._spec_rounds < self.config.min_observations:
+            return False
+        return self.spec_rate < 1.0 / self.costs.verify(1)
+
+    def observe_round(self, tokens: int, ms: float, weight: float = 0.2) -> None:
+        """A speculative round's outcome: committed tokens and its time (drafting + verify)."""
+        if ms <= 0:
+            return
+        rate = tokens / ms
+        self.spec_rate = rate if self.spec_rate is None else (1 - weight) * self.spec_rate + weight * rate
+        self._spec_rounds += 1
+
     def _cost(self, w: int) -> float:
-        c = self.costs.round(w, drafting=w > 1)
+        # Within a round the drafting is already paid; every width, 1 included, carries it, so
+        # the choice compares what each width adds. Whether to draft at all is the gate's call.
+        c = self.costs.round(w, drafting=True)
         if self.mode in ("hot", "parked"):
             c *= 1.0 + self.config.energy_bias * (w - 1)
         return c
@@ -220,7 +241,7 @@ class Scheduler:
         """The verify width for drafts with these calibrated confidences."""
         self.step += 1
         k = int(np.asarray(confidence).shape[0])
-        mode = "probe" if self.mode == "parked" and k else self.mode
+        mode = "probe" if (self.mode == "parked" or self.gated) and k else self.mode
         if k == 0:
             width, value, why = 1, 1.0 / self._cost(1), "no drafts"
         else:

@@ -187,3 +187,23 @@ def test_config_is_validated():
         SchedulerConfig(hot_c=95, park_c=90)
     with pytest.raises(ConfigError):
         SchedulerConfig(memory_low_mb=900, memory_ok_mb=800)
+
+
+def test_gate_stops_drafting_when_speculation_does_not_pay_and_probes():
+    sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS, SchedulerConfig(probe_every=5))
+    snap = _snap()
+    assert sched.wants_draft(snap) and not sched.gated
+    for _ in range(4):  # rounds of 1.2 tokens in 45 ms: slower than a 30 ms plain step
+        sched.observe_round(1, 45.0)
+    assert sched.gated
+    flags = [sched.wants_draft(snap) for _ in range(10)]
+    assert flags.count(True) == 2  # probes
+    for _ in range(12):  # drafts start paying: 3 tokens in 50 ms
+        sched.observe_round(3, 50.0)
+    assert not sched.gated and sched.wants_draft(snap)
+
+
+def test_drafting_cost_is_sunk_within_a_round():
+    # With drafting already paid, width 2 beats width 1 for any useful first draft.
+    sched = Scheduler(CostModel(CURVE, 20.0), WIDTHS)
+    assert sched.decide(np.array([0.3]), _snap()).width == 2
