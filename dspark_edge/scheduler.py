@@ -119,12 +119,18 @@ class CostModel:
         self.ratios: dict[int, deque] = {w: deque(maxlen=window) for w in verify_ms}
         self.all_ratios: deque = deque(maxlen=window)
         self.min_obs = min_obs
+        self._corr: dict[int, float] = {}
+        self._global = 1.0
 
     def correction(self, width: int) -> float:
+        """Cached: recomputed only when a round is observed."""
+        return self._corr.get(width, self._global)
+
+    def _refresh(self, width: int) -> None:
         own = self.ratios.get(width)
         if own is not None and len(own) >= self.min_obs:
-            return float(np.median(own))
-        return float(np.median(self.all_ratios)) if self.all_ratios else 1.0
+            self._corr[width] = float(np.median(own))
+        self._global = float(np.median(self.all_ratios)) if self.all_ratios else 1.0
 
     def verify(self, width: int) -> float:
         return self.verify_ms[width] * self.correction(width)
@@ -141,6 +147,7 @@ class CostModel:
             r = verify_ms / self.verify_ms[width]
             self.ratios[width].append(r)
             self.all_ratios.append(r)
+            self._refresh(width)
 
 
 @dataclass(frozen=True)
