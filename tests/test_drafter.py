@@ -239,6 +239,10 @@ class _CyclingScheduler:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    def wants_draft(self, snap):  # always draft: this wrapper tests width switching, not the gate
+        self.inner.update_modes(snap)
+        return True
+
     def decide(self, confidence, snap):
         import dataclasses
 
