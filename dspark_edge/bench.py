@@ -11,10 +11,10 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 
 from .config import GenerationConfig
 from .errors import ConfigError
+from .profile import verify_curve_ms
 from .pipeline import Pipeline
 from .decoder import DecoderModel
 
@@ -77,20 +77,7 @@ def verify_cost_curve(target: DecoderModel, depth: int = 128, repeats: int = 15,
     """Median milliseconds of one target pass at each listed width after ``depth`` cached positions."""
     if depth + max(target.widths) > target.capacity:
         raise ConfigError(f"depth {depth} + width {max(target.widths)} exceeds the context {target.capacity}")
-    rng = np.random.default_rng(seed)
-    cache = target.new_cache()
-    vocab = target.manifest.model.vocab_size
-    target.prefill(cache, rng.integers(0, vocab, size=depth, dtype=np.int64))
-    times: dict[int, list[float]] = {w: [] for w in target.widths}
-    for rep in range(warmup + repeats):
-        for w in target.widths:  # interleaved, so drift hits every width alike
-            ids = rng.integers(0, vocab, size=w, dtype=np.int64)
-            t0 = time.perf_counter()
-            target.step(cache, ids)
-            dt = time.perf_counter() - t0
-            if rep >= warmup:
-                times[w].append(dt)
-    ms = {w: round(1000 * statistics.median(v), 3) for w, v in times.items()}
+    ms = {w: round(v, 3) for w, v in verify_curve_ms(target, depth, repeats, warmup, seed).items()}
     base = ms[min(ms)]
     return {"depth": depth, "repeats": repeats, "median_ms": {str(w): v for w, v in ms.items()},
             "relative_to_width_1": {str(w): round(v / base, 3) for w, v in ms.items()}}

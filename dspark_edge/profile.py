@@ -192,18 +192,27 @@ def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512
         throttled=throttled, timings=tuple(timings))
 
 
-def quick_verify_ms(model, context: int = 128, warmup: int = 2, reps: int = 3) -> dict[int, float]:
-    """A rough verify curve measured now (a second or so), for a device without a profile."""
-    rng = np.random.default_rng(0)
+def verify_curve_ms(model, depth: int = 128, repeats: int = 3, warmup: int = 2, seed: int = 0) -> dict[int, float]:
+    """Median ms of one target pass at each listed width after ``depth`` cached positions,
+    widths interleaved so drift hits every width alike."""
+    rng = np.random.default_rng(seed)
     cache = model.new_cache()
     vocab = model.manifest.model.vocab_size
-    model.prefill(cache, rng.integers(10, vocab, min(context, cache.capacity // 2)).astype(np.int64))
-    out = {}
-    for w in model.widths:
-        ids = rng.integers(10, vocab, w).astype(np.int64)
-        out[w] = _time(lambda: model.step(cache, ids), warmup, reps)[0]
-    cache.reset()
-    return out
+    model.prefill(cache, rng.integers(0, vocab, size=depth, dtype=np.int64))
+    times: dict[int, list[float]] = {w: [] for w in model.widths}
+    for rep in range(warmup + repeats):
+        for w in model.widths:
+            ids = rng.integers(0, vocab, size=w, dtype=np.int64)
+            t0 = time.perf_counter()
+            model.step(cache, ids)
+            if rep >= warmup:
+                times[w].append((time.perf_counter() - t0) * 1e3)
+    return {w: statistics.median(v) for w, v in times.items()}
+
+
+def quick_verify_ms(model, context: int = 128) -> dict[int, float]:
+    """A rough verify curve measured now (a second or so), for a device without a profile."""
+    return verify_curve_ms(model, depth=min(context, model.capacity // 2))
 
 
 def profiles_dir() -> Path:

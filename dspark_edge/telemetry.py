@@ -63,13 +63,11 @@ class Snapshot:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Snapshot":
-        d = dict(d)
-        if d.get("gpu") is not None:
-            g = dict(d["gpu"])
-            g["throttle_reasons"] = tuple(g.get("throttle_reasons", ()))
-            d["gpu"] = GpuReading(**g)
-        return cls(**d)
+    def from_dict(cls, d: dict, where: str = "snapshot") -> "Snapshot":
+        from .errors import ConfigError
+        from .strict_json import from_json_dict
+
+        return from_json_dict(cls, d, where, error=ConfigError)
 
 
 def sanitized(s: Snapshot) -> Snapshot:

@@ -32,7 +32,7 @@ from .base import Draft, DraftRequest
 log = logging.getLogger(__name__)
 
 
-def _sigmoid(x: np.ndarray | float):
+def sigmoid(x: np.ndarray | float) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, dtype=np.float64)))
 
 
@@ -142,7 +142,7 @@ class DSparkDrafter:
 
         idx, z = sequential_step(u[:k], h[:k], int(self.to_draft[anchor]), self.w1, self.w2, self.conf_w,
                                  self.conf_b, choose)
-        conf = _sigmoid(z / self.temperatures[:k])
+        conf = sigmoid(z / self.temperatures[:k])
         return Draft(self.vocab_ids[idx], np.stack(qs) if qs else None, conf)
 
     def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:

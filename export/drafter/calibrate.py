@@ -15,11 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_edge.drafters.dspark import sigmoid
+
 GRID = np.exp(np.linspace(np.log(0.05), np.log(20.0), 241))
-
-
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
 def ece(pred: np.ndarray, label: np.ndarray, bins: int = 15) -> float:
