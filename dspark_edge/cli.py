@@ -231,7 +231,14 @@ def cmd_profile(args) -> int:
     from .profile import measure_profile, save_profile
     from .strict_json import to_json_dict
 
-    contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
+    from .errors import ConfigError
+
+    try:
+        contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
+    except ValueError:
+        raise ConfigError(f"--contexts {args.contexts!r}: expected comma-separated integers, e.g. 64,512") from None
+    if not contexts or min(contexts) < 1 or args.repeats < 1:
+        raise ConfigError("--contexts needs positive depths and --repeats must be at least 1")
     prof = measure_profile(args.engine, contexts=contexts, reps=args.repeats,
                            progress=lambda m: print(f"[profile] {m}", file=sys.stderr, flush=True))
     path = save_profile(prof, Path(args.output_dir) if args.output_dir else None)

@@ -136,3 +136,10 @@ def test_implausible_readings_are_ignored_with_a_warning(caplog):
     sampler = Sampler(FakeReader(bad), interval_s=10)
     assert sampler.latest.temps_c == {"ok": 50.0}
     sampler.close()
+
+
+def test_profile_cli_rejects_bad_contexts(tiny_engine, capsys):
+    from dspark_edge.cli import main
+
+    assert main(["profile", "--engine", str(tiny_engine), "--contexts", "abc"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
