@@ -1,7 +1,7 @@
-"""``python -m dspark_edge``: generate, bench and inspect from the command line.
+"""``python -m dspark_edge``: generate, chat, bench, profile, inspect and plot from the command line.
 
 Exit codes: 0 success, 1 generation failed mid-way (partial output printed), 2 bad input
-(engine folder, options, prompt).
+(engine folder, options, prompt), 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -65,9 +65,77 @@ def _load(args, drafter=None):
                 verify_hashes=not args.no_verify_hashes, scheduler=_scheduler_config(args))
 
 
+def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--drafter", default=None,
+                   help="speculative decoding with 'dspark', 'dspark:int8', 'ngram' or a draft-model engine folder "
+                        "(default: plain decoding)")
+    p.add_argument("--draft-tokens", type=int, default=None,
+                   help="verify exactly this many drafts every round (default: the scheduler chooses)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="answer length limit (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed gives the same answer")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--context-policy", choices=("error", "truncate"), default="error",
+                   help="a prompt longer than the context: fail (default) or keep its tail")
+    p.add_argument("--trace", default=None, metavar="JSONL",
+                   help="write one JSON line per round (widths, drafts, confidences, costs, telemetry, decision) "
+                        "and a summary per answer")
+    p.add_argument("--prometheus", default=None, metavar="FILE",
+                   help="write Prometheus text-format metrics (draft_n, draft_n_accepted, accept_length, "
+                        "per-position acceptance, …) to FILE after each answer")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write a timeline of width, acceptance, tok/s and telemetry over the rounds (matplotlib)")
+
+
+def _generation_config(args) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), draft_tokens=args.draft_tokens,
+                            context_policy=args.context_policy)
+
+
+class _Outputs:
+    """The --trace / --prometheus / --plot outputs of generate and chat, as pipeline observers."""
+
+    def __init__(self, pipe, args) -> None:
+        from .metrics import PrometheusMetrics, TraceWriter
+
+        self.args, self.rounds = args, []
+        self.trace = TraceWriter(args.trace, label=f"{args.command} {args.engine}") if args.trace else None
+        self.prom = PrometheusMetrics() if args.prometheus else None
+        if args.trace or args.plot or args.prometheus:
+            pipe.start_telemetry()
+        for obs in (self.trace, self.prom, self):
+            if obs is not None:
+                pipe.add_observer(obs)
+
+    def on_round(self, info) -> None:
+        if self.args.plot:
+            self.rounds.append(info.as_dict())
+
+    def on_generation(self, result) -> None:
+        if self.prom is not None:
+            self.prom.write(self.args.prometheus)
+        if self.args.plot and self.rounds:
+            from .plots import plot_timeline
+
+            drawn = plot_timeline(self.rounds, self.args.plot)
+            print(f"[plot] {self.args.plot}: {', '.join(drawn)}", file=sys.stderr)
+        self.rounds = []
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dspark_edge",
-                                     description="On-device speculative decoding runtime (DSpark).")
+                                     description="On-device speculative decoding runtime (DSpark).",
+                                     epilog="Exit codes: 0 success, 1 a generation failed mid-way (the partial "
+                                            "output is printed), 2 bad input (engine, option, prompt), "
+                                            "130 interrupted. `python -m dspark_edge COMMAND --help` explains "
+                                            "each command's options.")
     parser.add_argument("--version", action="version", version=f"dspark_edge {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,22 +144,23 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(g)
     g.add_argument("prompt", help="the prompt (sent through the chat template unless --raw)")
     g.add_argument("--raw", action="store_true", help="use the prompt as plain text, no chat template")
-    g.add_argument("--drafter", default=None,
-                   help="speculative decoding with 'dspark', 'dspark:int8', 'ngram' or a draft-model engine folder "
-                        "(default: plain decoding)")
     g.add_argument("--system", default=None, help="system message (chat mode)")
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _generation_args(g, 256)
     g.add_argument("--json", action="store_true", help="print one JSON object (text, ids, stats) instead of text")
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal (history kept; empty line or Ctrl-D quits)",
+                       description="Chat with the model: each line you type is a user message; the answer streams "
+                                   "back. Commands: /reset clears the history, /stats shows the last answer's "
+                                   "statistics.")
+    _engine_args(c)
+    c.add_argument("--system", default=None, help="system message")
+    _generation_args(c, 512)
+    c.add_argument("--json", action="store_true", help="print one JSON object per answer instead of text")
 
     b = sub.add_parser("bench", help="benchmark generation over a prompt set and the verify cost curve (JSON)")
     _engine_args(b)
     b.add_argument("--prompts", default=None, help="JSON-lines prompt file (default: the project's bench/prompts.jsonl)")
-    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt (default: %(default)s)")
     b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     b.add_argument("--depth", type=int, default=128, help="cached positions for the verify cost curve")
     b.add_argument("--repeats", type=int, default=15, help="timed repeats per width for the verify curve")
@@ -101,22 +170,66 @@ def build_parser() -> argparse.ArgumentParser:
                         "the scheduler ('auto') and fixed at every listed draft length")
     b.add_argument("--draft-tokens", default=None,
                    help="comma-separated draft lengths to compare (default: every listed width - 1)")
+    b.add_argument("--json", action="store_true",
+                   help="accepted for symmetry: bench always prints its report as JSON on stdout (progress on stderr)")
 
     pr = sub.add_parser("profile", help="measure this device's cost of every variant of an engine",
                         description="Time the target at every verify width and the drafter at every block size "
                                     "(warm-up, median of repeats, at several context depths) and write "
                                     "profiles/<device-key>.json, which the scheduler loads automatically.")
-    pr.add_argument("--engine", required=True)
+    pr.add_argument("--engine", required=True, help="engine folder to profile")
     pr.add_argument("--contexts", default="64,512", help="context depths (default: %(default)s)")
     pr.add_argument("--repeats", type=int, default=9, help="timed repeats per variant (default: %(default)s)")
     pr.add_argument("--output-dir", default=None, help="where to write (default: DSPARK_PROFILES or profiles/)")
     pr.add_argument("--json", action="store_true", help="print the profile as JSON")
 
-    i = sub.add_parser("inspect", help="print an engine folder's manifest summary (or --json)")
-    i.add_argument("--engine", required=True)
-    i.add_argument("--verify-hashes", action="store_true", help="also check every file's sha256")
-    i.add_argument("--json", action="store_true")
+    i = sub.add_parser("inspect", help="print an engine folder's manifest, variants, files and hashes, profile "
+                                       "status and the telemetry sources of this machine (or --json)")
+    i.add_argument("--engine", required=True, help="engine folder to inspect")
+    i.add_argument("--verify-hashes", action="store_true", help="also check every file's sha256 against the manifest")
+    i.add_argument("--json", action="store_true", help="print the manifest, profile status and telemetry as JSON")
+
+    pl = sub.add_parser("plot", help="draw the timeline PNG of a trace written with --trace",
+                        description="Width, acceptance, tok/s and telemetry per round of one answer of a trace.")
+    pl.add_argument("trace", help="JSON-lines trace (generate/chat --trace, or the demo's --trace)")
+    pl.add_argument("output", help="PNG to write")
+    pl.add_argument("--generation", type=int, default=-1,
+                    help="which answer of the trace (0-based; default: the last)")
+    pl.add_argument("--json", action="store_true", help="print the answer's summary (acceptance, widths, …) as JSON")
     return parser
+
+
+def _answer(pipe, prompt, cfg, as_json: bool):
+    """Stream one answer to stdout (or print it as JSON); returns the result, or None when it
+    failed mid-way (the error and the partial output are printed)."""
+    stream = pipe.stream(prompt, cfg)
+    try:
+        for piece in stream:
+            if not as_json:
+                print(piece, end="", flush=True)
+    except GenerationError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        if as_json and exc.partial is not None:
+            print(json.dumps(_result_json(exc.partial)))
+        return None
+    except KeyboardInterrupt:
+        stream.close()  # ends the generation now; the pipeline stays usable
+        raise
+    r = stream.result
+    if as_json:
+        print(json.dumps(_result_json(r)), flush=True)
+    else:
+        print(flush=True)
+        s = r.stats
+        extra = f", {s.draft_n_accepted}/{s.draft_n} drafts accepted" if s.draft_n else ""
+        print(f"[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, prefill {s.prefill_s * 1000:.0f} ms{extra}, "
+              f"stop: {r.stop_reason}]", file=sys.stderr)
+    return r
+
+
+def _result_json(r) -> dict:
+    return {"text": r.text, "token_ids": list(r.token_ids), "stop_reason": r.stop_reason, "error": r.error,
+            "stats": r.stats.as_dict()}
 
 
 def cmd_generate(args) -> int:
@@ -126,25 +239,53 @@ def cmd_generate(args) -> int:
     else:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
                  [{"role": "user", "content": args.prompt}]
-    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
-    stream = pipe.stream(prompt, cfg)
+    cfg = _generation_config(args)
+    outputs = _Outputs(pipe, args)
     try:
-        for piece in stream:
-            if not args.json:
-                print(piece, end="", flush=True)
-    except GenerationError as exc:
-        print(f"\nerror: {exc}", file=sys.stderr)
-        return 1
-    r = stream.result
-    if args.json:
-        print(json.dumps({"text": r.text, "token_ids": list(r.token_ids), "stop_reason": r.stop_reason,
-                          "stats": r.stats.as_dict()}))
-    else:
-        s = r.stats
-        print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, prefill {s.prefill_s * 1000:.0f} ms, "
-              f"stop: {r.stop_reason}]", file=sys.stderr)
-    return 0
+        return 0 if _answer(pipe, prompt, cfg, args.json) is not None else 1
+    finally:
+        outputs.close()
+        pipe.close()
+
+
+def cmd_chat(args) -> int:
+    pipe = _load(args, drafter=args.drafter)
+    cfg = _generation_config(args)
+    outputs = _Outputs(pipe, args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    last = None
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"[chat with {pipe.manifest.model.name}; empty line or Ctrl-D quits, /reset, /stats]", file=sys.stderr)
+    status = 0
+    try:
+        while True:
+            try:
+                line = input("you> " if interactive else "").strip()
+            except EOFError:
+                break
+            if not line:
+                break
+            if line == "/reset":
+                history = []
+                print("[history cleared]", file=sys.stderr)
+                continue
+            if line == "/stats":
+                print(json.dumps(last.stats.as_dict() if last else {}, indent=1), file=sys.stderr)
+                continue
+            history.append({"role": "user", "content": line})
+            r = _answer(pipe, system + history, cfg, args.json)
+            if r is None:  # the failed turn is dropped; the pipeline stays usable
+                history.pop()
+                status = 1
+                continue
+            last = r
+            history.append({"role": "assistant", "content": r.text})
+    finally:
+        outputs.close()
+        pipe.close()
+    return status
 
 
 def cmd_bench(args) -> int:
@@ -152,9 +293,10 @@ def cmd_bench(args) -> int:
 
     prompts = load_prompts(args.prompts)[:args.limit]
     pipe = _load(args, drafter=args.drafter)
+    bar = _Progress("bench", len(prompts))
 
     def progress(done, total, row):
-        print(f"[bench] {done}/{total} {row['id']}: {row['tokens_per_s']} tok/s", file=sys.stderr, flush=True)
+        bar.update(done, f"{row['id']}: {row['tokens_per_s']} tok/s")
 
     m = pipe.manifest
     report = {"engine": str(args.engine), "model": m.model.name, "precision": pipe.target.precision,
@@ -170,8 +312,7 @@ def cmd_bench(args) -> int:
                    [(f"{drafter.name} k={k}", drafter, {"draft_tokens": k}) for k in ks]
 
         def progress_cmp(done, total, rates):
-            print(f"[bench] {done}/{total} " + ", ".join(f"{n}: {v:.1f}" for n, v in rates.items()),
-                  file=sys.stderr, flush=True)
+            bar.update(done, ", ".join(f"{n}: {v:.1f}" for n, v in rates.items()))
 
         # "plain" shares the speculative pipeline's session options (thread spinning off when two
         # sessions take turns); "plain, own session" is a pipeline opened without a drafter.
@@ -179,19 +320,58 @@ def cmd_bench(args) -> int:
                                              plain_pipe=_load(args))
     else:
         report["generation"] = bench_generation(pipe, prompts, args.max_new_tokens, progress=progress)
+    bar.close()
+    print("[bench] verify cost curve", file=sys.stderr, flush=True)
     report["verify_cost"] = verify_cost_curve(pipe.target, depth=args.depth, repeats=args.repeats)
     print(json.dumps(report, indent=2))
     return 0
+
+
+class _Progress:
+    """A progress bar on stderr when it is a terminal (rich), else one line per step."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self._bar = label, total, None
+        if sys.stderr.isatty():
+            try:
+                from rich.console import Console
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            except ImportError:
+                return
+            self._bar = Progress(TextColumn(f"[{label}]"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                 TextColumn("{task.description}"), console=Console(stderr=True), transient=True)
+            self._task = self._bar.add_task("", total=total)
+            self._bar.start()
+
+    def update(self, done: int, note: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, description=note)
+        else:
+            print(f"[{self.label}] {done}/{self.total} {note}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
 
 
 def cmd_inspect(args) -> int:
     from .manifest import read_manifest, verify_files
     from .strict_json import to_json_dict
 
+    from .profile import load_profile
+    from .telemetry import SystemReader
+
     m = read_manifest(args.engine)
     verify_files(m, args.engine, check_hashes=args.verify_hashes)
+    prof, status = load_profile(args.engine)
+    sources = SystemReader().sources()
     if args.json:
-        print(json.dumps(to_json_dict(m), indent=2))
+        print(json.dumps({**to_json_dict(m), "profile": {"status": status,
+                                                         "device_key": prof.device_key if prof else None,
+                                                         "created_utc": prof.created_utc if prof else None},
+                          "telemetry_sources": sources,
+                          "hashes_verified": bool(args.verify_hashes)}, indent=2))
         return 0
     print(f"engine     {args.engine} (schema v{m.schema_version}, created {m.created_utc})")
     print(f"model      {m.model.name} [{m.model.architecture}] {m.model.num_layers} layers, hidden "
@@ -212,16 +392,35 @@ def cmd_inspect(args) -> int:
         d = m.drafter
         print(f"drafter    dspark: {d.num_layers} layers, {d.slots} slots, draft vocab {d.draft_vocab}, Markov rank "
               f"{d.markov_rank}, calibrated T {' '.join(f'{t:.2f}' for t in d.temperatures)}")
-    from .profile import load_profile
-    from .telemetry import SystemReader
-
-    prof, status = load_profile(args.engine)
     print(f"profile    {status}" + (f" ({prof.device_key}, {prof.created_utc})" if prof else
                                     " (run `python -m dspark_edge profile --engine ...`)"))
-    print(f"telemetry  {', '.join(SystemReader().sources())}")
+    print(f"telemetry  {', '.join(sources)}")
     total = sum(f.size for f in m.files)
     print(f"files      {len(m.files)}, {total / 2**20:.1f} MiB, "
           f"{'sha256 verified' if args.verify_hashes else 'sizes verified'}")
+    for f in sorted(m.files, key=lambda f: f.path):
+        print(f"           {f.sha256[:16]}  {f.size / 2**20:9.2f} MiB  {f.path}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from .errors import ConfigError
+    from .metrics import read_trace, summarize
+    from .plots import plot_timeline
+
+    records = read_trace(args.trace)
+    gens = sorted({r["generation"] for r in records if r["type"] == "round"})
+    if not gens:
+        raise ConfigError(f"{args.trace} holds no decoding rounds")
+    try:
+        gen = gens[args.generation]
+    except IndexError:
+        raise ConfigError(f"--generation {args.generation}: {args.trace} holds answers 0..{len(gens) - 1}") from None
+    rounds = [r for r in records if r["type"] == "round" and r["generation"] == gen]
+    drawn = plot_timeline(rounds, args.output, title=f"{args.trace} · answer {gen}")
+    if args.json:
+        print(json.dumps({"generation": gen, "series": drawn, **summarize(rounds)}, indent=1))
+    print(f"[plot] {args.output}: answer {gen}, {len(rounds)} rounds, {', '.join(drawn)}", file=sys.stderr)
     return 0
 
 
@@ -254,8 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench, "inspect": cmd_inspect,
-                "profile": cmd_profile}[args.command](args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "inspect": cmd_inspect,
+                "profile": cmd_profile, "plot": cmd_plot}[args.command](args)
     except DSparkError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("[interrupted]", file=sys.stderr)
+        return 130

@@ -90,6 +90,7 @@ class Pipeline:
         self._make_drafter = None
         self._unloaded = False  # the drafter was released under memory pressure
         self.profile_status = "unused"
+        self.observers: list = []  # see add_observer
         if 1 not in target.widths:
             raise ConfigError(f"plain decoding needs a width-1 target variant; this engine lists {target.widths}")
 
@@ -117,8 +118,47 @@ class Pipeline:
         self._make_drafter = make_drafter
 
     def telemetry(self) -> Snapshot | None:
-        """The latest background telemetry reading (None without the scheduler)."""
+        """The latest background telemetry reading (None when nothing samples it: see
+        ``start_telemetry``)."""
         return None if self._sampler is None else self._sampler.latest
+
+    def start_telemetry(self, reader: Reader | None = None) -> None:
+        """Sample telemetry in the background even without the scheduler (for traces and
+        displays). A no-op when it already runs."""
+        from .telemetry import SystemReader
+
+        if self._sampler is None:
+            self._sampler = Sampler(reader or SystemReader())
+
+    # -- observers --------------------------------------------------------------------------
+    def add_observer(self, observer) -> None:
+        """Call ``observer.on_round(RoundInfo)`` after every target pass and
+        ``observer.on_generation(GenerationResult)`` when a generation ends (also one that
+        failed). Either method may be absent. An observer that raises is logged and dropped:
+        it never takes a generation down. ``dspark_edge.metrics`` has a JSON-lines trace writer
+        and Prometheus counters."""
+        self.observers.append(observer)
+
+    def remove_observer(self, observer) -> None:
+        self.observers.remove(observer)
+
+    def _notify(self, method: str, arg) -> None:
+        for obs in list(self.observers):
+            fn = getattr(obs, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(arg)
+            except Exception as exc:
+                log.warning("observer %r failed in %s (%s: %s); removed", obs, method, type(exc).__name__, exc)
+                self.observers.remove(obs)
+
+    def twin(self) -> "Pipeline":
+        """A pipeline over the same loaded target and tokenizer with its own KV cache and no
+        drafter: plain decoding next to this one without loading the model twice. The two may
+        take turns in one thread (as the demo's race does), not run in two threads at once:
+        they share the session's output buffers."""
+        return Pipeline(self.manifest, self.engine_dir, self.target, self.tokenizer, None)
 
     def close(self) -> None:
         if self._sampler is not None:
@@ -193,6 +233,7 @@ class TextStream:
         self.result: GenerationResult | None = None
         self.token_ids: list[int] = []
         self.last_round: RoundInfo | None = None  # the latest target pass, for live displays
+        self.from_draft: list[bool] = []  # parallel to token_ids: True where an accepted draft gave it
         self._cancel = threading.Event()
         self._iter = self._run()
 
@@ -203,7 +244,13 @@ class TextStream:
         return next(self._iter)
 
     def cancel(self) -> None:
+        """Stop after the current round; iterating on ends the stream with stop_reason "cancelled"."""
         self._cancel.set()
+
+    def close(self) -> None:
+        """Abandon the generation now (no result): frees the pipeline for the next one. Safe to
+        call at any time, also after the stream ended."""
+        self._iter.close()
 
     def _run(self) -> Iterator[str]:
         p = self._pipeline
@@ -240,6 +287,7 @@ class TextStream:
         stop_reason, error, drafter_disabled, failures = "max_new_tokens", None, None, 0
         t0 = time.perf_counter()
         prefill_s = 0.0
+        new_from_draft = 0  # how many of ``new`` are accepted drafts (the rest: the target's own)
         try:
             if cfg.max_new_tokens > 0:
                 committed = list(self._prompt_ids)
@@ -252,8 +300,9 @@ class TextStream:
                     drafter.begin(committed)
                 while True:
                     done = False
-                    for tok in new:  # emit this round's tokens in order; stop mid-block if needed
+                    for i, tok in enumerate(new):  # emit this round's tokens in order; stop mid-block if needed
                         self.token_ids.append(tok)
+                        self.from_draft.append(i < new_from_draft)
                         if tok in eos:
                             stop_reason, done = "eos", True
                             break
@@ -280,7 +329,8 @@ class TextStream:
                     # Drafts past the token budget or the context are wasted work.
                     k_max = min(max_drafts, cfg.max_new_tokens - len(self.token_ids) - 1, cache.free - 1)
                     draft = Draft.empty()
-                    snap = p.telemetry() if sched is not None else None
+                    draft_ms = 0.0
+                    snap = p.telemetry()
                     wants = sched is None or sched.wants_draft(snap)
                     if sched is not None and sched.memory_low and drafter is not None:
                         drafter_disabled = f"available memory {snap.mem_available_mb:.0f} MiB is low: drafter unloaded"
@@ -305,9 +355,10 @@ class TextStream:
                                 drafter_disabled = f"{failures} consecutive failures, last: {type(exc).__name__}: {exc}"
                                 log.warning("speculation disabled for this generation: %s", drafter_disabled)
                                 drafter, hidden_rows = None, None
-                        st.draft_s += time.perf_counter() - t_d
+                        draft_ms = (time.perf_counter() - t_d) * 1e3
+                        st.draft_s += draft_ms / 1e3
                         if sched is not None:
-                            sched.costs.observe_draft((time.perf_counter() - t_d) * 1e3)
+                            sched.costs.observe_draft(draft_ms)
                     decision = None
                     if sched is not None:
                         decision = sched.decide(draft.confidence, snap)
@@ -325,9 +376,9 @@ class TextStream:
                     else:
                         outcome = verify_sampling(draft.tokens, draft.q, out.logits, cfg.temperature,
                                                   cfg.top_k, cfg.top_p, rng)
-                    st.verify_s += time.perf_counter() - t_v
+                    verify_ms = (time.perf_counter() - t_v) * 1e3
+                    st.verify_s += verify_ms / 1e3
                     if sched is not None:
-                        verify_ms = (time.perf_counter() - t_v) * 1e3
                         sched.observe(width, verify_ms)
                         if len(draft):  # t_d: when this round's drafting began
                             sched.observe_round(1 + outcome.accepted, (time.perf_counter() - t_d) * 1e3)
@@ -339,10 +390,14 @@ class TextStream:
                     st.record(width, len(draft), outcome)
                     self.last_round = RoundInfo(width, len(draft), outcome.accepted,
                                                 tuple(float(c) for c in draft.confidence), st.draft_n, st.accepted,
-                                                decision)
+                                                decision, index=st.rounds, tokens=tuple(int(t) for t in outcome.tokens),
+                                                draft_ms=draft_ms, verify_ms=verify_ms,
+                                                t_s=time.perf_counter() - t0, telemetry=snap)
+                    if p.observers:
+                        p._notify("on_round", self.last_round)
                     if drafter is not None and len(draft):
                         drafter.feedback(len(draft), outcome.accepted, committed)
-                    new = list(outcome.tokens)
+                    new, new_from_draft = list(outcome.tokens), outcome.accepted
                 if stop_reason not in ("stop_string", "eos"):
                     text += detok.flush()
                     cut = _find_stop(text, cfg.stop, max(0, emitted - hold))
@@ -364,6 +419,8 @@ class TextStream:
                           drafter_disabled=drafter_disabled, modes=dict(st.modes))
         self.result = GenerationResult(text=text, token_ids=tuple(self.token_ids), stop_reason=stop_reason,
                                        stats=stats, error=error)
+        if p.observers:
+            p._notify("on_generation", self.result)
         if error is not None:
             raise GenerationError(f"generation failed: {error}", partial=self.result)
         if len(text) > emitted:
@@ -372,6 +429,8 @@ class TextStream:
 
 @dataclass(frozen=True)
 class RoundInfo:
+    """One target pass: what was drafted, verified and committed, what it cost, and why."""
+
     width: int  # verify width of this target pass
     drafted: int
     accepted: int
@@ -379,6 +438,27 @@ class RoundInfo:
     draft_n_total: int  # so far in this generation
     accepted_total: int
     decision: Decision | None = None  # the scheduler's choice and why, when it ran
+    index: int = 0  # 1-based round number in this generation
+    tokens: tuple[int, ...] = ()  # committed by this round: the accepted drafts, then the target's token
+    draft_ms: float = 0.0  # drafting time of this round (0 when it did not draft)
+    verify_ms: float = 0.0  # the target pass and the verification
+    t_s: float = 0.0  # seconds since the generation began, at the end of this round
+    telemetry: Snapshot | None = None  # the reading this round saw (None when nothing samples it)
+
+    def as_dict(self) -> dict:
+        """A JSON-ready record (one trace line)."""
+        from dataclasses import asdict
+
+        d = {"round": self.index, "t_s": round(self.t_s, 6), "width": self.width, "drafted": self.drafted,
+             "accepted": self.accepted, "tokens": list(self.tokens), "confidence": [round(c, 5) for c in self.confidence],
+             "draft_ms": round(self.draft_ms, 4), "verify_ms": round(self.verify_ms, 4),
+             "draft_n_total": self.draft_n_total, "accepted_total": self.accepted_total,
+             "decision": None, "telemetry": None}
+        if self.decision is not None:
+            d["decision"] = asdict(self.decision)
+        if self.telemetry is not None:
+            d["telemetry"] = asdict(self.telemetry)
+        return d
 
 
 class _RoundStats:

@@ -2,14 +2,22 @@
 
     python examples/on_device_demo.py                      # embedded default, one prompt
     python examples/on_device_demo.py --chat               # interactive chat
+    python examples/on_device_demo.py --race               # plain vs speculative, side by side
+    python examples/on_device_demo.py --plot timeline.png --trace rounds.jsonl
     python examples/on_device_demo.py --prompt "..." --temperature 0.7 --seed 1
 
-The panel shows the variant in use, speed, memory, CPU load and temperature as they
-change. When stdout is not a terminal (or `rich` is missing) it prints plain lines.
-It decodes speculatively with the engine's DSpark drafter when it has one (else the
-model-free n-gram drafter); the confidence scheduler picks each round's verify width from the
-drafts' calibrated confidences and the device's state, and the panel says what it chose and why.
---drafter none decodes plainly.
+The answer streams with the tokens that came from accepted drafts underlined in green. The
+panel, updated every round, shows the variant in use (verify width, precision), the drafts'
+calibrated confidences, the accepted length, speed, free memory and RSS, temperature and
+throttling, CPU (and GPU) load, and what the confidence scheduler chose and why, with its
+latest switches (hot, parked, probing, gate). It decodes with the engine's DSpark drafter when
+it has one, else the model-free n-gram drafter; --drafter none decodes plainly. When stdout is
+not a terminal (or `rich` is missing) it prints plain lines.
+
+--race decodes the same prompt plainly and speculatively in turns (whichever has used less
+time goes next, so both get the same share of this machine) and reports the speedup of their
+measured rates. --plot writes a timeline of width, acceptance, tok/s and telemetry per round;
+--trace writes one JSON line per round (see dspark_edge.metrics).
 """
 
 from __future__ import annotations
@@ -19,121 +27,242 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
-
 import dspark_edge
+from dspark_edge.metrics import TraceWriter
+from dspark_edge.tokenizer import IncrementalDecoder
 
 DEFAULT_ENGINE = Path(__file__).resolve().parent.parent / "engines" / "smollm2-135m"
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
+DRAFT_STYLE = "underline green"
 
 
-def device_readings(proc: psutil.Process) -> dict:
-    vm = psutil.virtual_memory()
-    temps = {}
-    try:
-        for name, entries in (psutil.sensors_temperatures() or {}).items():
-            for e in entries:
-                if e.current is not None and 0 < e.current < 150:
-                    temps[f"{name}/{e.label or 'temp'}"] = e.current
-    except (AttributeError, OSError):
-        pass
-    freq = psutil.cpu_freq()
-    return {
-        "rss_mib": proc.memory_info().rss / 2**20,
-        "free_mib": vm.available / 2**20,
-        "total_mib": vm.total / 2**20,
-        "cpu_pct": psutil.cpu_percent(interval=None),
-        "temp_c": max(temps.values()) if temps else None,
-        "freq": (freq.current, freq.max) if freq and freq.max else None,
+class Run:
+    """One generation as the demo sees it: the stream, its own time, the rounds, the styled text."""
+
+    def __init__(self, pipe, prompt, cfg, label: str) -> None:
+        self.pipe, self.label = pipe, label
+        self.rounds: list = []  # RoundInfo of this generation, from the observer
+        self.events: list[str] = []  # scheduler switches, newest last
+        pipe.add_observer(self)
+        self.stream = pipe.stream(prompt, cfg)
+        self.detok = IncrementalDecoder(pipe.tokenizer)
+        self.pieces: list[tuple[str, bool]] = []  # (text, came from an accepted draft)
+        self.rendered = 0
+        self.spent = 0.0  # seconds this run itself computed (a race interleaves two)
+        self.first_token_s: float | None = None
+        self.done = False
+        self.error: str | None = None
+
+    # observer: called by the pipeline after each round
+    def on_round(self, info) -> None:
+        prev = self.rounds[-1] if self.rounds else None
+        self.rounds.append(info)
+        d, pd = info.decision, (prev.decision if prev else None)
+        if d is not None and (pd is None or d.mode != pd.mode or d.width != pd.width):
+            self.events.append(f"round {info.index}: {d.mode}, width {pd.width if pd else '-'}→{d.width} ({d.reason})")
+            del self.events[:-3]
+
+    def advance(self) -> bool:
+        """Decode up to the next text piece; False once the generation has ended."""
+        if self.done:
+            return False
+        t = time.perf_counter()
+        try:
+            next(self.stream)
+        except StopIteration:
+            self.done = True
+        except dspark_edge.GenerationError as exc:
+            self.done, self.error = True, str(exc)
+        self.spent += time.perf_counter() - t
+        if self.first_token_s is None and self.stream.token_ids:
+            self.first_token_s = self.spent
+        ids, marks = self.stream.token_ids, self.stream.from_draft
+        for i in range(self.rendered, len(ids)):
+            piece = self.detok.push([ids[i]])
+            if piece:
+                self.pieces.append((piece, marks[i]))
+        self.rendered = len(ids)
+        if self.done:
+            self.pipe.remove_observer(self)
+            tail = self.detok.flush()
+            if tail:
+                self.pieces.append((tail, False))
+        return not self.done
+
+    @property
+    def text(self) -> str:
+        return "".join(p for p, _ in self.pieces)
+
+    @property
+    def rate(self) -> float:
+        """Decode speed in this run's own time: tokens after the first over the time after it."""
+        n, t = len(self.stream.token_ids), self.spent - (self.first_token_s or 0.0)
+        return (n - 1) / t if n > 1 and t > 0 else 0.0
+
+
+def fmt_reading(snap) -> dict[str, str]:
+    if snap is None:
+        return {"memory": "n/a", "CPU load": "n/a", "temperature": "n/a"}
+    temp = snap.max_temp_c
+    out = {
+        "memory": f"{snap.mem_available_mb:.0f} MiB free of {snap.mem_total_mb:.0f} · RSS {snap.rss_mb:.0f} MiB",
+        "CPU load": f"{snap.cpu_percent:.0f} % (other processes {snap.cpu_other_percent:.0f} %)"
+                    + (f" · clock {snap.cpu_freq_mhz:.0f}/{snap.cpu_freq_max_mhz:.0f} MHz"
+                       if snap.cpu_freq_mhz and snap.cpu_freq_max_mhz else ""),
+        "temperature": (f"{temp:.0f} °C" if temp is not None else "no sensor")
+                       + (f" · THROTTLING ({snap.throttle_source})" if snap.throttling else " · not throttled"),
     }
+    if snap.gpu is not None:
+        g = snap.gpu
+        out["GPU"] = (f"{g.util_percent:.0f} % · {g.mem_used_mb:.0f}/{g.mem_total_mb:.0f} MiB"
+                      + (f" · {g.temp_c:.0f} °C" if g.temp_c is not None else ""))
+    return out
 
 
-def status_lines(pipe, tokens: int, elapsed: float, first_token_s: float | None, reading: dict,
-                 last=None) -> list[tuple[str, str]]:
+def status_fields(run: Run) -> list[tuple[str, str]]:
+    pipe, last = run.pipe, (run.rounds[-1] if run.rounds else None)
     t = pipe.target
-    rate = (tokens - 1) / (elapsed - first_token_s) if first_token_s is not None and tokens > 1 and elapsed > first_token_s else 0.0
-    temp = f"{reading['temp_c']:.0f} °C" if reading["temp_c"] is not None else "no sensor"
-    freq = f"{reading['freq'][0]:.0f}/{reading['freq'][1]:.0f} MHz" if reading["freq"] else "n/a"
-    return [
-        ("model", pipe.manifest.model.name),
-        ("drafter", pipe.drafter.name if pipe.drafter is not None else "none (plain decoding)"),
-        ("variant", f"target {t.precision}, verify width {last.width if last else 1} of "
-                    f"{', '.join(map(str, t.widths))}"),
-        ("last round", f"{last.accepted}/{last.drafted} drafts accepted" if last else "…"),
-        ("scheduler", (f"{last.decision.mode}: {last.decision.reason}" if last and last.decision
-                       else "off (fixed rule)" if pipe.drafter is not None else "—")),
+    drafter = pipe.drafter.name if pipe.drafter is not None else "none (plain decoding)"
+    tokens = len(run.stream.token_ids)
+    fields = [
+        ("model", f"{pipe.manifest.model.name} · drafter {drafter}"),
+        ("variant", f"target {t.precision} · verify width {last.width if last else 1} "
+                    f"(listed {', '.join(map(str, t.widths))})"),
         ("confidence", " ".join(f"{c:.2f}" for c in last.confidence) if last and last.confidence else "—"),
-        ("acceptance", f"{last.accepted_total}/{last.draft_n_total} "
-                       f"({last.accepted_total / last.draft_n_total:.0%})" if last and last.draft_n_total else "—"),
-        ("tokens", str(tokens)),
-        ("speed", f"{rate:.1f} tok/s"),
-        ("first token", f"{first_token_s * 1000:.0f} ms" if first_token_s is not None else "…"),
-        ("RSS", f"{reading['rss_mib']:.0f} MiB"),
-        ("free memory", f"{reading['free_mib']:.0f} / {reading['total_mib']:.0f} MiB"),
-        ("CPU load", f"{reading['cpu_pct']:.0f} %"),
-        ("CPU clock", freq),
-        ("temperature", temp),
+        ("accepted", (f"{last.accepted}/{last.drafted} this round · "
+                      f"{last.accepted_total}/{last.draft_n_total} "
+                      f"({last.accepted_total / last.draft_n_total:.0%}) overall")
+                     if last and last.draft_n_total else (f"{last.accepted}/{last.drafted} this round" if last else "—")),
+        ("speed", f"{run.rate:.1f} tok/s · {tokens} tokens"
+                  + (f" · first token {run.first_token_s * 1000:.0f} ms" if run.first_token_s is not None else "")),
     ]
+    fields += list(fmt_reading(last.telemetry if last and last.telemetry else pipe.telemetry()).items())
+    if last is not None and last.decision is not None:
+        d = last.decision
+        fields.append(("scheduler", f"{d.mode}: {d.reason}"))
+    else:
+        fields.append(("scheduler", "fixed draft length" if pipe.drafter is not None else "— (no drafter)"))
+    for e in run.events:
+        fields.append(("switch", e))
+    return fields
 
 
-def run_once(pipe, prompt, cfg, live: bool) -> dspark_edge.GenerationResult:
-    proc = psutil.Process()
-    psutil.cpu_percent(interval=None)
-    stream = pipe.stream(prompt, cfg)
-    t0 = time.perf_counter()
-    text, first = "", None
-    if not live:
-        for piece in stream:
-            if first is None:
-                first = time.perf_counter() - t0
-            print(piece, end="", flush=True)
-        print()
-        r = stream.result
-        reading = device_readings(proc)
-        print("  ".join(f"{k}: {v}" for k, v in status_lines(pipe, len(r.token_ids), r.stats.total_s,
-                                                                r.stats.prefill_s, reading, stream.last_round)))
-        return r
+def final_line(run: Run) -> str:
+    r = run.stream.result
+    if r is None:
+        return f"[{run.label}: {run.error or 'no result'}]"
+    s = r.stats
+    extra = (f", {s.draft_n_accepted}/{s.draft_n} drafts accepted, mean accepted length {s.mean_accepted_length:.2f}"
+             if s.draft_n else "")
+    return f"[{run.label}: {s.new_tokens} tokens, {run.rate:.1f} tok/s, stop: {r.stop_reason}{extra}]"
+
+
+# -- live (rich) ---------------------------------------------------------------------------------
+def live_view(runs: list[Run], status_run: Run):
+    from rich.columns import Columns
     from rich.console import Group
-    from rich.live import Live
     from rich.panel import Panel
     from rich.table import Table
     from rich.text import Text
 
-    def render(tokens, elapsed, reading):
-        table = Table.grid(padding=(0, 2))
-        for k, v in status_lines(pipe, tokens, elapsed, first, reading, stream.last_round):
-            table.add_row(Text(k, style="bold cyan"), v)
-        return Group(Panel(Text(text), title="answer", border_style="green"),
-                     Panel(table, title="device & decoder", border_style="blue"))
+    def answer(run: Run):
+        text = Text()
+        for piece, drafted in run.pieces:
+            text.append(piece, style=DRAFT_STYLE if drafted else None)
+        return Panel(text, title=f"{run.label} · {run.rate:.1f} tok/s", border_style="green")
 
-    reading = device_readings(proc)
-    last = 0.0
-    with Live(render(0, 0.0, reading), refresh_per_second=8, transient=False) as view:
-        for piece in stream:
-            now = time.perf_counter() - t0
-            if first is None:
-                first = now
-            text += piece
-            if now - last > 0.25:
-                reading, last = device_readings(proc), now
-            view.update(render(len(stream.token_ids), now, reading))
-        r = stream.result
-        view.update(render(len(r.token_ids), r.stats.total_s, device_readings(proc)))
-    return r
+    def render():
+        table = Table.grid(padding=(0, 2))
+        for k, v in status_fields(status_run):
+            table.add_row(Text(k, style="bold cyan"), Text(v))
+        answers = answer(runs[0]) if len(runs) == 1 else Columns([answer(r) for r in runs], equal=True, expand=True)
+        parts = [answers, Panel(table, title=f"device & decoder ({status_run.label})", border_style="blue")]
+        if len(runs) == 2:
+            parts.append(Text(race_line(runs), style="bold"))
+        parts.append(Text("underlined green: tokens from accepted drafts", style="dim"))
+        return Group(*parts)
+
+    return render
+
+
+def race_line(runs: list[Run]) -> str:
+    plain, spec = runs
+    speed = f"{spec.rate / plain.rate:.2f}×" if plain.rate > 0 and spec.rate > 0 else "…"
+    line = f"speculative {spec.rate:.1f} tok/s vs plain {plain.rate:.1f} tok/s → speedup {speed} (same prompt, turns)"
+    if plain.done and spec.done:
+        same = plain.stream.token_ids == spec.stream.token_ids
+        line += " · identical tokens" if same else " · tokens differ"
+    return line
+
+
+def drive(runs: list[Run], render=None, view=None) -> None:
+    """Advance the runs in turns, the one that has used less time first, until all end."""
+    last_draw = 0.0
+    while True:
+        live = [r for r in runs if not r.done]
+        if not live:
+            break
+        min(live, key=lambda r: r.spent).advance()
+        if view is not None and time.perf_counter() - last_draw > 0.1:
+            view.update(render())
+            last_draw = time.perf_counter()
+    if view is not None:
+        view.update(render())
+
+
+def run_prompt(pipe, prompt, cfg, live: bool, race: bool) -> Run:
+    spec = Run(pipe, prompt, cfg, "speculative" if pipe.drafter is not None else "plain")
+    runs = [spec]
+    if race:
+        runs = [Run(pipe.twin(), prompt, cfg, "plain"), spec]
+    if live:
+        from rich.live import Live
+
+        render = live_view(runs, spec)
+        with Live(render(), refresh_per_second=10, transient=False) as view:
+            drive(runs, render, view)
+    else:
+        if race:
+            drive(runs)
+            for r in runs:
+                print(f"--- {r.label}\n{r.text}")
+        else:
+            printed, more = 0, True
+            while more:
+                more = spec.advance()
+                print("".join(p for p, _ in spec.pieces[printed:]), end="", flush=True)
+                printed = len(spec.pieces)
+            print()
+        for k, v in status_fields(spec):
+            print(f"{k:>12}: {v}")
+        if race:
+            print(race_line(runs))
+    for r in runs:
+        print(final_line(r), file=sys.stderr)
+    if spec.error is not None:
+        raise dspark_edge.GenerationError(spec.error, partial=spec.stream.result)
+    return spec
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default=str(DEFAULT_ENGINE), help="engine folder (default: %(default)s)")
-    ap.add_argument("--precision", default=None, help="target precision (default: int8 when exported, else fp32)")
-    ap.add_argument("--prompt", default=DEFAULT_PROMPT)
+    ap.add_argument("--precision", default=None,
+                    help="target precision (default: int8 when exported, else the most precise; fp32 with --race, "
+                         "where INT8's width-dependent rounding would make the outputs drift apart)")
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question (default: %(default)r)")
     ap.add_argument("--drafter", default=None,
                     help="'dspark' (default when the engine has one), 'ngram' (default otherwise), 'none' for "
                          "plain decoding, or a draft-model engine folder")
     ap.add_argument("--chat", action="store_true", help="interactive chat (empty line or Ctrl-D quits)")
-    ap.add_argument("--max-new-tokens", type=int, default=200)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--race", action="store_true",
+                    help="decode plainly and speculatively side by side and report the speedup")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="write a timeline of width, acceptance, tok/s and telemetry per round (matplotlib)")
+    ap.add_argument("--trace", default=None, metavar="JSONL", help="write one JSON line per round and a summary")
+    ap.add_argument("--max-new-tokens", type=int, default=200, help="answer length limit (default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible answers)")
     ap.add_argument("--plain", action="store_true", help="plain line output even on a terminal")
     args = ap.parse_args()
 
@@ -143,31 +272,61 @@ def main() -> int:
             import rich  # noqa: F401
         except ImportError:
             live = False
+    trace = None
     try:
         manifest = dspark_edge.read_manifest(args.engine)
-        precision = args.precision or ("int8" if "int8" in manifest.precisions("target") else None)
+        # INT8 kernels round differently at different widths, so INT8 speculative output may drift
+        # from INT8 plain output; the race compares at FP32 unless told otherwise.
+        fast = "int8" if "int8" in manifest.precisions("target") and not args.race else None
+        precision = args.precision or fast
         drafter = args.drafter or ("dspark" if manifest.drafter is not None else "ngram")
-        pipe = dspark_edge.load(args.engine, precision, drafter=drafter)
+        if args.race and drafter == "none":
+            raise dspark_edge.ConfigError("--race compares plain and speculative decoding: give a drafter, "
+                                          "not --drafter none")
+        pipe = dspark_edge.load(args.engine, precision, drafter=None if drafter == "none" else drafter)
+        pipe.start_telemetry()
+        if args.trace:
+            trace = TraceWriter(args.trace, label=f"demo {manifest.model.name} drafter {drafter}")
+            pipe.add_observer(trace)
         cfg = dspark_edge.GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                            seed=args.seed)
-        if not args.chat:
-            print(f"> {args.prompt}")
-            run_once(pipe, [{"role": "user", "content": args.prompt}], cfg, live)
-            return 0
         history: list[dict] = []
         while True:
-            try:
-                line = input("you> ").strip()
-            except EOFError:
-                return 0
-            if not line:
-                return 0
+            if args.chat:
+                try:
+                    line = input("you> ").strip()
+                except EOFError:
+                    break
+                if not line:
+                    break
+            else:
+                line = args.prompt
+                print(f"> {line}")
             history.append({"role": "user", "content": line})
-            r = run_once(pipe, history, cfg, live)
-            history.append({"role": "assistant", "content": r.text})
+            run = run_prompt(pipe, history, cfg, live, args.race)
+            history.append({"role": "assistant", "content": run.text})
+            if args.plot:
+                from dspark_edge.plots import plot_timeline
+
+                series = plot_timeline([r.as_dict() for r in run.rounds], args.plot,
+                                       title=f"{manifest.model.name} · {pipe.drafter.name if pipe.drafter else 'plain'}"
+                                             f" · {pipe.target.precision}")
+                print(f"[plot: {args.plot} ({', '.join(series)})]", file=sys.stderr)
+            if not args.chat:
+                break
+        return 0
+    except dspark_edge.GenerationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except dspark_edge.DSparkError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return 130
+    finally:
+        if trace is not None:
+            trace.close()
 
 
 if __name__ == "__main__":

@@ -72,3 +72,75 @@ def test_readme_embedding_example_runs(tiny_engine):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stderr
     assert "tok/s" in p.stdout
+
+
+def test_chat_keeps_history_and_commands(tiny_engine):
+    p = subprocess.run([sys.executable, "-m", "dspark_edge", "chat", "--engine", str(tiny_engine), "--max-new-tokens",
+                        "5", "--json"], input="hello\n/stats\n/reset\nagain\n\n", cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    answers = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
+    assert len(answers) == 2 and all(a["stats"]["new_tokens"] <= 5 for a in answers)
+    # "hello" and "again" are one token each; after /reset the second prompt holds one user turn too
+    assert answers[0]["stats"]["prompt_tokens"] == answers[1]["stats"]["prompt_tokens"]
+    assert '"prompt_tokens"' in p.stderr and "[history cleared]" in p.stderr
+
+
+def test_chat_interrupted_exits_130(tiny_engine):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "dspark_edge", "chat", "--engine", str(tiny_engine)], cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)  # loaded and waiting for input
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+
+
+def test_generate_writes_trace_metrics_and_plot(tiny_engine, tmp_path):
+    from dspark_edge.metrics import read_trace
+    from dspark_edge.plots import plot_metadata
+
+    trace, prom, png = tmp_path / "t.jsonl", tmp_path / "m.prom", tmp_path / "t.png"
+    p = run("generate", "--engine", str(tiny_engine), "--raw", "a b a b a b a b", "--drafter", "ngram",
+            "--max-new-tokens", "16", "--trace", str(trace), "--prometheus", str(prom), "--plot", str(png), "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    recs = read_trace(trace)
+    rounds = [r for r in recs if r["type"] == "round"]
+    assert len(rounds) == out["stats"]["rounds"] and recs[-1]["type"] == "summary"
+    text = prom.read_text()
+    assert f"dspark_edge_draft_n_total {float(out['stats']['draft_n'])}" in text
+    assert f"dspark_edge_generation_tokens_total {float(out['stats']['new_tokens'])}" in text
+    assert plot_metadata(png)["rounds"] == len(rounds)
+    q = run("plot", str(trace), str(tmp_path / "again.png"), "--json")
+    assert q.returncode == 0, q.stderr
+    assert json.loads(q.stdout)["rounds"] == len(rounds)
+    bad = run("plot", str(trace), str(tmp_path / "x.png"), "--generation", "5")
+    assert bad.returncode == 2 and "holds answers 0..0" in bad.stderr
+
+
+def test_every_option_is_explained():
+    from dspark_edge.cli import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if a.dest == "command").choices
+    assert set(subs) == {"generate", "chat", "bench", "profile", "inspect", "plot"}
+    for name, sub in subs.items():
+        for action in sub._actions:
+            if action.dest != "help":
+                assert action.help, f"{name} {action.option_strings or action.dest} has no --help text"
+    top = run("--help")
+    assert "Exit codes" in top.stdout and "130" in top.stdout
+
+
+def test_inspect_lists_files_and_hashes(tiny_engine):
+    from dspark_edge.manifest import read_manifest
+
+    p = run("inspect", "--engine", str(tiny_engine))
+    m = read_manifest(tiny_engine)
+    for f in m.files:
+        assert f"{f.sha256[:16]}" in p.stdout and f.path in p.stdout
+    j = json.loads(run("inspect", "--engine", str(tiny_engine), "--json").stdout)
+    assert j["profile"]["status"] in ("ok", "stale", "throttled", "missing") and "psutil" in j["telemetry_sources"]
