@@ -217,6 +217,10 @@ class Pipeline:
                 config = replace(config, **overrides)
             except TypeError as exc:
                 raise ConfigError(f"unknown generation option: {exc}") from exc
+        vocab = self.manifest.model.vocab_size
+        if any(t >= vocab for t in config.stop_token_ids):
+            raise ConfigError(f"stop_token_ids {list(config.stop_token_ids)} lie outside the vocabulary "
+                              f"(ids 0..{vocab - 1})")
         ids = self.encode_prompt(prompt)
         ids, truncated = self._fit_context(ids, config)
         return TextStream(self, ids, truncated, config)
@@ -345,9 +349,10 @@ class TextStream:
                             if hidden_rows is not None:
                                 new_hidden = np.concatenate(hidden_rows) if hidden_rows else None
                                 hidden_rows.clear()
-                            draft = drafter.propose(DraftRequest(committed + [pending], k_max, cfg.temperature,
-                                                                 cfg.top_k, cfg.top_p, new_hidden), rng)
-                            failures = 0
+                            proposal = drafter.propose(DraftRequest(committed + [pending], k_max, cfg.temperature,
+                                                                    cfg.top_k, cfg.top_p, new_hidden), rng)
+                            _check_draft(proposal, k_max, p.manifest.model.vocab_size)
+                            draft, failures = proposal, 0
                         except Exception as exc:  # a drafter must never take the generation down
                             failures += 1
                             log.warning("drafter %s failed (%s: %s)", drafter.name, type(exc).__name__, exc)
@@ -491,6 +496,21 @@ class _RoundStats:
                                draft_n_accepted=self.accepted, accept_length_hist=self.hist,
                                acceptance_per_position=per_pos, bonus_tokens=self.bonus,
                                draft_s=self.draft_s, verify_s=self.verify_s, **kw)
+
+
+def _check_draft(draft: Draft, k_max: int, vocab: int) -> None:
+    """A drafter's proposal must be usable as is: a bad one counts as a drafter failure, never
+    reaches the target (an out-of-vocabulary id would fail the target pass)."""
+    k = len(draft)
+    if draft.tokens.ndim != 1 or k > k_max:
+        raise ValueError(f"draft has shape {draft.tokens.shape}; at most {k_max} tokens were asked for")
+    if k and (draft.tokens.min() < 0 or draft.tokens.max() >= vocab):
+        raise ValueError(f"draft token ids must lie in [0, {vocab}); got {draft.tokens.tolist()}")
+    c = draft.confidence
+    if c.shape != (k,) or (k and not (np.all(np.isfinite(c)) and c.min() >= 0.0 and c.max() <= 1.0)):
+        raise ValueError(f"draft confidences must be {k} numbers in [0, 1]; got {np.asarray(c).tolist()}")
+    if draft.q is not None and (draft.q.shape[0] != k or draft.q.ndim != 2 or draft.q.shape[1] != vocab):
+        raise ValueError(f"draft distributions have shape {draft.q.shape}; expected ({k}, {vocab})")
 
 
 def _survival_cut(confidence: np.ndarray, min_survival: float) -> int:

@@ -16,13 +16,17 @@ def probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float =
     temperature > 0; top_k = 0 and top_p = 1 disable those filters. Filtered-out tokens get
     probability exactly 0.
     """
-    z = logits.astype(np.float64) / temperature
+    with np.errstate(over="ignore"):  # a tiny temperature may overflow: handled below
+        z = logits.astype(np.float64) / temperature
     vocab = z.shape[-1]
     if 0 < top_k < vocab:
         kth = np.partition(z, vocab - top_k)[vocab - top_k]
         z = np.where(z >= kth, z, -np.inf)
-    z -= z.max()
-    p = np.exp(z)
+    top = z.max()
+    if not np.isfinite(top):  # overflow: the limit as temperature -> 0 is the argmax (ties share)
+        p = (logits == logits.max()).astype(np.float64)
+    else:
+        p = np.exp(z - top)
     p /= p.sum()
     if top_p < 1.0:
         order = np.argsort(-p, kind="stable")

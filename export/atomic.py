@@ -9,11 +9,14 @@ hidden partial folder, which the next export in that parent folder removes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+
+from dspark_edge.errors import ExportError
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,12 @@ def staging(output: Path) -> Iterator[Path]:
     stage.mkdir()
     try:
         yield stage
+    except OSError as exc:  # disk full, quota, permissions: say so, keep what was there
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ExportError(f"no space left on the device holding {output.parent} ({exc}): free some space or "
+                              f"write elsewhere; nothing was written and {output} is unchanged") from exc
+        raise ExportError(f"writing the export failed ({exc}); nothing was written and {output} is "
+                          "unchanged") from exc
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
