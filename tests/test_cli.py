@@ -144,3 +144,18 @@ def test_inspect_lists_files_and_hashes(tiny_engine):
         assert f"{f.sha256[:16]}" in p.stdout and f.path in p.stdout
     j = json.loads(run("inspect", "--engine", str(tiny_engine), "--json").stdout)
     assert j["profile"]["status"] in ("ok", "stale", "throttled", "missing") and "psutil" in j["telemetry_sources"]
+
+
+def test_readme_metrics_example_runs(tiny_engine):
+    """The README's metrics example, on a pipeline over the tiny engine (server on a free port)."""
+    text = (REPO / "README.md").read_text()
+    code = next(c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "PrometheusMetrics()" in c)
+    code = (f"import dspark_edge\nspec = dspark_edge.load({str(tiny_engine)!r}, drafter='ngram')\n"
+            + code.replace("start_http_server(9100", "start_http_server(0").replace('"rounds.jsonl"', '"/dev/null"')
+            + "\nspec.generate('a b a b a b', max_new_tokens=8, draft_tokens=2)\n"
+              "print(prom.registry.get_sample_value('dspark_edge_generation_tokens_total'), "
+              "prom.registry.get_sample_value('dspark_edge_draft_n_total'))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    tokens, draft_n = p.stdout.split()[-2:]
+    assert float(tokens) == 8 and float(draft_n) >= 0
