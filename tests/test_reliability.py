@@ -124,3 +124,32 @@ def test_disk_full_during_export_keeps_the_previous_engine(tiny_hf, tmp_path, mo
         export_target(ExportOptions(source=str(tiny_hf), output=tmp_path / "new", precisions=("fp32",),
                                     widths=(1, 2), validate=False))
     assert not (tmp_path / "new").exists()
+
+
+def test_stop_string_across_a_token_boundary(tiny_engine, plain):
+    """A stop string made of the end of one token and the start of the next ends the answer
+    right before it, plain and speculative, and no streamed piece ever shows any of it."""
+    full = plain.generate("The quick brown", max_new_tokens=30, ignore_eos=True)
+    pieces = [plain.tokenizer.decode([t]) for t in full.token_ids]
+    i = next((i for i in range(3, len(pieces) - 1) if len(pieces[i]) >= 1 and len(pieces[i + 1]) >= 1
+              and "\ufffd" not in pieces[i] + pieces[i + 1]), None)
+    if i is None:
+        pytest.skip("the tiny model's tokens decode to no usable boundary")
+    stop = pieces[i][-1] + pieces[i + 1][0]
+    cut = full.text.find(stop)
+    spec = dspark_edge.load(tiny_engine, "fp32", drafter="ngram")
+    for pipe, extra in ((plain, {}), (spec, {"draft_tokens": 3})):
+        stream = pipe.stream("The quick brown", max_new_tokens=30, ignore_eos=True, stop=(stop,), **extra)
+        streamed = list(stream)
+        r = stream.result
+        assert r.stop_reason == "stop_string" and r.text == full.text[:cut]
+        assert "".join(streamed) == r.text and stop not in "".join(streamed)
+
+
+def test_huge_max_new_tokens_ends_at_the_context(tiny_engine):
+    small = dspark_edge.load(tiny_engine, options=dspark_edge.BackendOptions(max_context=48))
+    r = small.generate("The quick", max_new_tokens=10**12, ignore_eos=True)
+    # every position holds a token in the KV cache except the last one decided (it was never run)
+    assert r.stop_reason == "context_full" and r.stats.prompt_tokens + len(r.token_ids) == 48 + 1
+    with pytest.raises(ConfigError, match="max_new_tokens must be an integer >= 0"):
+        small.generate("The quick", max_new_tokens=-1)
