@@ -6,7 +6,6 @@ prompts), since timings on a shared machine drift.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from .config import GenerationConfig
 from .errors import ConfigError
+from .strict_json import read_jsonl
 from .profile import verify_curve_ms
 from .pipeline import Pipeline
 from .decoder import DecoderModel
@@ -28,14 +28,8 @@ def load_prompts(path: str | Path | None = None) -> list[dict]:
         raise ConfigError(f"prompt file {path} not found: pass --prompts FILE (JSON lines with "
                           "'messages' or 'prompt')")
     records = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}:{n}: not valid JSON ({exc})") from exc
-        if not isinstance(rec, dict) or ("messages" in rec) == ("prompt" in rec):
+    for n, rec in read_jsonl(path, ConfigError):
+        if ("messages" in rec) == ("prompt" in rec):
             raise ConfigError(f"{path}:{n}: each line needs exactly one of 'messages' or 'prompt'")
         rec.setdefault("id", f"line-{n}")
         rec.setdefault("category", "misc")

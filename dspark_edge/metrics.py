@@ -74,19 +74,14 @@ class TraceWriter:
 
 
 def read_trace(path: str | Path) -> list[dict]:
-    """The records of a trace file; a line that is not JSON is an error naming the line."""
+    """The records of a trace file; a bad line is an error naming the line."""
+    from .strict_json import read_jsonl
+
     records = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{n} is not a JSON trace line ({exc.msg}); was the run cut short?") from None
-            if not isinstance(rec, dict) or "type" not in rec:
-                raise ConfigError(f"{path}:{n} is not a dspark_edge trace record (no 'type')")
-            records.append(rec)
+    for n, rec in read_jsonl(path, ConfigError):
+        if "type" not in rec:
+            raise ConfigError(f"{path}:{n}: not a dspark_edge trace record (no 'type')")
+        records.append(rec)
     if not records or records[0].get("type") != "header":
         raise ConfigError(f"{path} is not a dspark_edge trace (no header line)")
     if records[0].get("schema", 0) > TRACE_SCHEMA:

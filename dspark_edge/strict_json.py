@@ -18,6 +18,26 @@ from .errors import ManifestError
 T = TypeVar("T")
 
 
+def read_jsonl(path, error: type[Exception]) -> list[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of a JSON-lines file; a line that is not
+    a JSON object raises ``error`` naming the file and the line."""
+    import json
+    from pathlib import Path
+
+    out = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise error(f"{path}:{n}: not valid JSON ({exc.msg}); was the file cut short?") from None
+        if not isinstance(rec, dict):
+            raise error(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+        out.append((n, rec))
+    return out
+
+
 def to_json_dict(obj: Any) -> Any:
     """A dataclass (recursively) as plain dicts, lists and scalars."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

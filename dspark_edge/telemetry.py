@@ -245,8 +245,11 @@ class TraceReplayer:
 
     def __init__(self, path_or_snapshots) -> None:
         if isinstance(path_or_snapshots, (str, Path)):
-            lines = Path(path_or_snapshots).read_text(encoding="utf-8").splitlines()
-            self.snapshots = [Snapshot.from_dict(json.loads(x)) for x in lines if x.strip()]
+            from .errors import ConfigError
+            from .strict_json import read_jsonl
+
+            self.snapshots = [Snapshot.from_dict(rec, f"{path_or_snapshots}:{n}")
+                              for n, rec in read_jsonl(path_or_snapshots, ConfigError)]
         else:
             self.snapshots = list(path_or_snapshots)
         if not self.snapshots:

@@ -59,7 +59,7 @@ def test_trace_records_every_round_and_agrees_with_stats(spec, tmp_path):
 def test_read_trace_names_a_bad_line(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"type": "header", "schema": 1}\n{"type": "round"\n')
-    with pytest.raises(dspark_edge.ConfigError, match=r"bad.jsonl:2 is not a JSON trace line"):
+    with pytest.raises(dspark_edge.ConfigError, match=r"bad.jsonl:2: not valid JSON"):
         read_trace(p)
     p.write_text('{"type": "header", "schema": 99}\n')
     with pytest.raises(dspark_edge.ConfigError, match="schema 99"):
