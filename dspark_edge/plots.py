@@ -70,7 +70,7 @@ def plot_timeline(rounds: list[dict], path: str | Path, title: str = "dspark_edg
     axes[0].set_ylabel("tokens")
     axes[0].set_title(title)
     line(axes[1], "acceptance", color="tab:green")
-    line(axes[1], "confidence[1]", color="tab:orange", alpha=0.6)
+    line(axes[1], "confidence[1]", color="tab:orange", alpha=0.7, marker=".", linestyle="none")
     axes[1].set_ylim(-0.05, 1.05)
     axes[1].set_ylabel("rate")
     line(axes[2], "tok/s", color="tab:purple")
@@ -78,9 +78,11 @@ def plot_timeline(rounds: list[dict], path: str | Path, title: str = "dspark_edg
     line(axes[3], "cpu %", color="tab:red")
     line(axes[3], "temperature °C", color="tab:brown")
     axes[3].set_ylabel("% / °C")
+    axes[3].set_ylim(0, 105 if not any(s["temperature °C"]) else max(105, max(v for v in s["temperature °C"] if v) + 5))
     mem_ax = axes[3].twinx()
     line(mem_ax, "free memory MiB", color="tab:gray", linestyle="--")
-    mem_ax.set_ylabel("MiB")
+    mem_ax.set_ylabel("free MiB")
+    mem_ax.ticklabel_format(axis="y", useOffset=False, style="plain")
     axes[3].set_xlabel("round")
     modes = [(r.get("decision") or {}).get("mode") for r in rounds]
     for i, m in enumerate(modes):  # shade rounds where the scheduler ran hot, parked or probed

@@ -58,8 +58,10 @@ class Run:
         prev = self.rounds[-1] if self.rounds else None
         self.rounds.append(info)
         d, pd = info.decision, (prev.decision if prev else None)
-        if d is not None and (pd is None or d.mode != pd.mode or d.width != pd.width):
-            self.events.append(f"round {info.index}: {d.mode}, width {pd.width if pd else '-'}→{d.width} ({d.reason})")
+        if d is not None and pd is not None and (d.mode != pd.mode or d.width != pd.width):
+            mode = f"{pd.mode}→{d.mode}" if d.mode != pd.mode else d.mode
+            width = f"width {pd.width}→{d.width}" if d.width != pd.width else f"width {d.width}"
+            self.events.append(f"round {info.index}: {mode}, {width} ({d.reason})")
             del self.events[:-3]
 
     def advance(self) -> bool:
