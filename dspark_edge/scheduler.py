@@ -250,7 +250,7 @@ class Scheduler:
         k = int(np.asarray(confidence).shape[0])
         mode = "probe" if (self.mode == "parked" or self.gated) and k else self.mode
         if k == 0:
-            width, value, why = 1, 1.0 / self._cost(1), "no drafts"
+            width, value, why = 1, 1.0 / self._cost(1), self._why_no_drafts()
         else:
             width, value = choose_width(confidence, [w for w in self.widths if w - 1 <= k], self._cost)
             why = (f"tau/cost best at width {width} (stopped at the first non-improving width)"
@@ -260,6 +260,16 @@ class Scheduler:
                      tuple(float(x) for x in survival(confidence)))
         self.decisions.append(d)
         return d
+
+    def _why_no_drafts(self) -> str:
+        if self.memory_low:
+            return "plain: available memory is low, the drafter is unloaded"
+        if self.mode == "parked":
+            return f"plain: parked while hot (probe every {self.config.probe_every} rounds)"
+        if self.gated:
+            return (f"plain: the gate - speculative rounds gave {self.spec_rate * 1e3:.1f} tok/s, plain steps "
+                    f"{1e3 / self.costs.verify(1):.1f} tok/s (probe every {self.config.probe_every} rounds)")
+        return "plain: the drafter offered no drafts"
 
     def observe(self, width: int, verify_ms: float) -> None:
         self.costs.observe(width, verify_ms)

@@ -164,6 +164,7 @@ def test_parked_probes_periodically():
     sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS, SchedulerConfig(probe_every=4))
     flags = [sched.wants_draft(_snap(temp=95)) for _ in range(12)]
     assert flags.count(True) == 3 and sched.mode == "parked"
+    assert "parked while hot" in sched.decide(np.zeros(0), _snap(temp=95)).reason
 
 
 def test_memory_squeeze_drops_and_restores_the_drafter():
@@ -171,6 +172,8 @@ def test_memory_squeeze_drops_and_restores_the_drafter():
     avail = [4000, 3000, 350, 300, 500, 700, 900, 1500]
     got = [sched.wants_draft(_snap(avail=a)) for a in avail]
     assert got == [True, True, False, False, False, False, True, True]  # hysteresis 400 → 800 MiB
+    sched.wants_draft(_snap(avail=300))
+    assert "memory is low" in sched.decide(np.zeros(0), _snap(avail=300)).reason
 
 
 def test_every_decision_is_recorded_with_its_inputs():
@@ -198,6 +201,8 @@ def test_gate_stops_drafting_when_speculation_does_not_pay_and_probes():
     assert sched.gated
     flags = [sched.wants_draft(snap) for _ in range(10)]
     assert flags.count(True) == 2  # probes
+    why = sched.decide(np.zeros(0), snap).reason  # what the panel and the trace show
+    assert why.startswith("plain: the gate") and "22.2 tok/s" in why and "33.3 tok/s" in why
     for _ in range(12):  # drafts start paying: 3 tokens in 50 ms
         sched.observe_round(3, 50.0)
     assert not sched.gated and sched.wants_draft(snap)
