@@ -344,3 +344,19 @@ def test_cli_generates_with_the_dspark_drafter_and_scheduler_knobs(tiny_with_dra
     assert main(["inspect", "--engine", str(engine)]) == 0
     text = capsys.readouterr().out
     assert "drafter    dspark" in text and "telemetry" in text and "profile" in text
+
+
+def test_held_out_split_is_stable_when_data_grows():
+    """More prompts later (an extended data step) must not move held-out sequences into training."""
+    from export.drafter.train import split
+
+    def fake(n):
+        return Sequences(np.zeros(n, np.int32), np.arange(n + 1, dtype=np.int64), np.zeros(n, np.int32),
+                         np.zeros((n, 1), np.float16), np.zeros((n, 1), np.int32), np.zeros((n, 1), np.float16))
+
+    tr_small, val_small = split(fake(512))
+    tr_big, val_big = split(fake(920))
+    assert set(val_small) <= set(val_big) and not set(val_big) & set(tr_small)
+    assert set(tr_big) | set(val_big) == set(range(920)) and not set(tr_big) & set(val_big)
+    assert 0.03 < len(val_big) / 920 < 0.09
+    assert len(split(fake(3))[1]) >= 1

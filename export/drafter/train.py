@@ -63,9 +63,14 @@ def choose_draft_vocab(data: Sequences, size: int, vocab_size: int) -> np.ndarra
 
 
 def split(data: Sequences, held_out: float = 0.06, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    order = np.random.default_rng(seed).permutation(len(data))
-    n_val = max(1, int(round(len(data) * held_out)))
-    return np.sort(order[n_val:]), np.sort(order[:n_val])
+    """(train ids, held-out ids). Sequence i is held out by the i-th draw of one seeded stream,
+    so adding data (more prompts, more shards) never moves a held-out sequence into training:
+    a resumed or extended run is still validated on sequences it never trained on."""
+    u = np.random.default_rng(seed).random(len(data))
+    val = u < held_out
+    if not val.any():
+        val[int(np.argmin(u))] = True
+    return np.flatnonzero(~val), np.flatnonzero(val)
 
 
 def make_batch(data: Sequences, seq_ids, anchors: int, slots: int, to_draft: np.ndarray, rng,
