@@ -74,3 +74,27 @@ def test_repetitive_text_stays_bounded():
     draft = d.propose(req(ctx, 8), np.random.default_rng(0))
     assert list(draft.tokens) == [3] * 8
     assert all(len(ix) <= 1 for ix in d._index.values())  # one n-gram per size: memory stays flat
+
+
+def test_confidence_is_learned_per_match_length():
+    """Long matches that keep being accepted and one-token matches that keep failing end up
+    with confidences far apart, so the scheduler verifies the former wider."""
+    d = NgramDrafter(min_n=1, max_n=4, max_tokens=4)
+    long_ctx = [5, 6, 7, 8, 9, 5, 6, 7, 8]  # suffix 5 6 7 8 matched at length 4
+    short_ctx = [1, 2, 3, 1]  # suffix 1 matched at length 1 only
+    rng = np.random.default_rng(0)
+    d.begin(long_ctx)
+    prior_long = d.propose(DraftRequest(long_ctx, 4, 0.0, 0, 1.0), rng).confidence
+    d.begin(short_ctx)
+    prior_short = d.propose(DraftRequest(short_ctx, 4, 0.0, 0, 1.0), rng).confidence
+    assert prior_long[0] > prior_short[0]  # priors rise with the match length
+    d = NgramDrafter(min_n=1, max_n=4, max_tokens=4)
+    d.begin([0])
+    for _ in range(10):
+        d.propose(DraftRequest(long_ctx, 4, 0.0, 0, 1.0), rng)
+        d.feedback(4, 4, long_ctx)
+        d.propose(DraftRequest(short_ctx, 4, 0.0, 0, 1.0), rng)
+        d.feedback(2, 0, short_ctx)
+    long_c = d.propose(DraftRequest(long_ctx, 4, 0.0, 0, 1.0), rng).confidence
+    short_c = d.propose(DraftRequest(short_ctx, 4, 0.0, 0, 1.0), rng).confidence
+    assert long_c[0] > 0.9 and short_c[0] < 0.1

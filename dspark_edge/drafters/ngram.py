@@ -2,8 +2,13 @@
 
 The suffix of the context (n tokens, n from ``max_n`` down to ``min_n``) is looked up among
 earlier positions of the prompt and generated text; the tokens that followed its most recent
-earlier occurrence are proposed (continuing periodically when that occurrence is recent). Indexes are updated incrementally, so a round costs
-O(max_n) dictionary lookups however long the context; memory grows linearly with it.
+earlier occurrence are proposed (continuing periodically when that occurrence is recent).
+Indexes are updated incrementally, so a round costs O(max_n) dictionary lookups however long
+the context; memory grows linearly with it.
+
+The confidence of each draft is the observed per-position acceptance of drafts that came
+from a match of the same length: a 4-token match is far more often right than a 1-token
+one, and the scheduler can only pick a good width if the confidence tells them apart.
 """
 
 from __future__ import annotations
@@ -30,14 +35,21 @@ class NgramDrafter:
         # Acceptance statistics shape the draft length, and with it how the random stream is
         # consumed: kept per generation by default so a seed reproduces its output.
         self.learn_across_generations = learn_across_generations
-        self.stats = AcceptanceTracker()
+        self.stats = self._new_stats()
+        self._last_n: int | None = None  # match length behind the latest proposal
         self._ctx: list[int] = []
         self._index: dict[int, dict[tuple[int, ...], int]] = {}
         self._indexed = 0  # n-grams ending before this position are indexed
 
+    def _new_stats(self) -> dict[int, AcceptanceTracker]:
+        # Priors rise with the match length (0.25 for one token … 0.7 for four and more).
+        return {n: AcceptanceTracker(prior=min(0.7, 0.25 + 0.15 * (n - 1)))
+                for n in range(self.min_n, self.max_n + 1)}
+
     def begin(self, prompt_ids: Sequence[int]) -> None:
         if not self.learn_across_generations:
-            self.stats = AcceptanceTracker()
+            self.stats = self._new_stats()
+        self._last_n = None
         self._ctx = []
         self._index = {n: {} for n in range(self.min_n, self.max_n + 1)}
         self._indexed = 0
@@ -74,9 +86,11 @@ class NgramDrafter:
                 for i in range(k):
                     pos = start + i
                     out.append(ctx[pos] if pos < len(ctx) else out[pos - len(ctx)])
-                return Draft(np.asarray(out, dtype=np.int64), None, self.stats.confidence(k))
+                self._last_n = n
+                return Draft(np.asarray(out, dtype=np.int64), None, self.stats[n].confidence(k))
+        self._last_n = None
         return Draft.empty()
 
     def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:
-        if drafted:
-            self.stats.update(drafted, accepted)
+        if drafted and self._last_n is not None:
+            self.stats[self._last_n].update(drafted, accepted)
