@@ -96,6 +96,7 @@ class SchedulerConfig:
     memory_ok_mb: float = 800.0  # ... and take it back above this
     cost_window: int = 12  # observed step times kept per width (robust median)
     min_observations: int = 3  # before a width's own correction is trusted
+    gate_draft_share: float = 0.05  # the gate acts only when drafting costs this share of a plain step
     max_record: int = 4096  # decisions kept in memory
 
     def __post_init__(self) -> None:
@@ -103,6 +104,8 @@ class SchedulerConfig:
             raise ConfigError(f"hot_c ({self.hot_c}) must be below park_c ({self.park_c})")
         if self.hysteresis_c < 0 or self.energy_bias < 0:
             raise ConfigError("hysteresis_c and energy_bias must be >= 0")
+        if not 0.0 <= self.gate_draft_share <= 1.0:
+            raise ConfigError(f"gate_draft_share must be in [0, 1], got {self.gate_draft_share}")
         if self.probe_every < 1 or self.cost_window < 1 or self.min_observations < 1:
             raise ConfigError("probe_every, cost_window and min_observations must be >= 1")
         if not self.memory_low_mb < self.memory_ok_mb:
@@ -223,8 +226,12 @@ class Scheduler:
 
     @property
     def gated(self) -> bool:
-        """Speculation is not paying: the observed speculative rate is below the plain rate."""
+        """Speculation is not paying: the observed speculative rate is below the plain rate.
+        Only for a drafter whose drafting costs something: a nearly free one (n-gram lookup)
+        loses nothing by offering drafts, and the width choice already weighs them."""
         if self.spec_rate is None or self._spec_rounds < self.config.min_observations:
+            return False
+        if self.costs.draft_ms < self.config.gate_draft_share * self.costs.verify(1):
             return False
         return self.spec_rate < 1.0 / self.costs.verify(1)
 

@@ -212,3 +212,14 @@ def test_drafting_cost_is_sunk_within_a_round():
     # With drafting already paid, width 2 beats width 1 for any useful first draft.
     sched = Scheduler(CostModel(CURVE, 20.0), WIDTHS)
     assert sched.decide(np.array([0.3]), _snap()).width == 2
+
+
+def test_gate_leaves_a_nearly_free_drafter_alone():
+    """n-gram lookup costs ~0.03 ms: a round at break-even loses nothing, so the gate stays open
+    and each round's width choice decides."""
+    sched = Scheduler(CostModel(CURVE, 0.03), WIDTHS)
+    for _ in range(10):
+        sched.observe_round(1, 45.0)
+    assert not sched.gated and sched.wants_draft(_snap())
+    sched.costs.observe_draft(10.0)  # the same rounds with a costly drafter: gated
+    assert sched.gated
