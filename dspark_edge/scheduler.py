@@ -112,13 +112,34 @@ class SchedulerConfig:
             raise ConfigError("memory_low_mb must be below memory_ok_mb")
 
 
+def monotone(curve: dict[int, float]) -> dict[int, float]:
+    """The least-squares non-decreasing fit of a cost curve (pool adjacent violators): a wider
+    pass is never cheaper, so a measured dip (timing noise) is averaged with its neighbour
+    instead of making that width look like a bargain."""
+    widths = sorted(curve)
+    blocks: list[list[float]] = []  # [sum, count] per pooled block
+    for w in widths:
+        blocks.append([curve[w], 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+    out, i = {}, 0
+    for total, n in blocks:
+        for _ in range(int(n)):
+            out[widths[i]] = total / n
+            i += 1
+    return out
+
+
 class CostModel:
-    """Round cost (ms) per verify width: the profile's curve times an online correction, the
-    median ratio observed/profiled of the last few rounds at that width (the median over all
-    widths until a width has its own), so a busy or throttled device shows within a few rounds."""
+    """Round cost (ms) per verify width: the profile's curve (made non-decreasing) times an
+    online correction, the median ratio observed/profiled of the last few rounds at that width
+    (the median over all widths until a width has its own), so a busy or throttled device shows
+    within a few rounds."""
 
     def __init__(self, verify_ms: dict[int, float], draft_ms: float, window: int = 12, min_obs: int = 3) -> None:
-        self.verify_ms, self.draft_ms = dict(verify_ms), float(draft_ms)
+        self.verify_ms, self.draft_ms = monotone(verify_ms), float(draft_ms)
         self.ratios: dict[int, deque] = {w: deque(maxlen=window) for w in verify_ms}
         self.all_ratios: deque = deque(maxlen=window)
         self.min_obs = min_obs

@@ -223,3 +223,12 @@ def test_gate_leaves_a_nearly_free_drafter_alone():
     assert not sched.gated and sched.wants_draft(_snap())
     sched.costs.observe_draft(10.0)  # the same rounds with a costly drafter: gated
     assert sched.gated
+
+
+def test_cost_curve_is_made_non_decreasing():
+    from dspark_edge.scheduler import monotone
+
+    assert monotone({1: 37.2, 2: 40.0, 3: 45.8, 4: 42.4, 6: 47.3, 8: 62.4}) == pytest.approx(
+        {1: 37.2, 2: 40.0, 3: 44.1, 4: 44.1, 6: 47.3, 8: 62.4})
+    assert monotone(CURVE) == CURVE  # already monotone: unchanged
+    assert monotone({1: 50.0, 2: 30.0, 4: 10.0}) == pytest.approx({1: 30.0, 2: 30.0, 4: 30.0})
