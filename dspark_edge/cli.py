@@ -76,6 +76,10 @@ def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed gives the same answer")
+    p.add_argument("--sampling", choices=("rejection", "coupled"), default="rejection",
+                   help="how drafts are verified when sampling: rejection sampling (default), or coupled: each "
+                        "position's token drawn with noise seeded by (seed, position), so the answer is plain "
+                        "decoding's for that seed whatever the drafter and widths")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--context-policy", choices=("error", "truncate"), default="error",
                    help="a prompt longer than the context: fail (default) or keep its tail")
@@ -92,7 +96,7 @@ def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
 def _generation_config(args) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), draft_tokens=args.draft_tokens,
-                            context_policy=args.context_policy)
+                            context_policy=args.context_policy, sampling=args.sampling)
 
 
 class _Outputs:

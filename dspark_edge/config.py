@@ -23,6 +23,12 @@ class GenerationConfig:
     confidences, is at least ``min_survival`` (0 keeps every draft). The rule never looks at
     draft j's own confidence, so sampling stays lossless. ``context_policy``:
     "error" rejects a prompt that does not fit the context, "truncate" keeps its tail.
+
+    ``sampling`` (temperature > 0): "rejection" (default) verifies drafts by rejection
+    sampling; "coupled" draws the token of every answer position with noise seeded by
+    (seed, position) and accepts a draft only where it equals that token, so the answer
+    depends on the seed alone (identical to plain decoding with that seed, whatever the
+    drafter, widths or timing), at a lower acceptance for drafters that sample.
     """
 
     max_new_tokens: int = 256
@@ -37,6 +43,7 @@ class GenerationConfig:
     speculative: bool = True  # False: plain decoding even when the pipeline has a drafter
     draft_tokens: int | None = None  # drafts per round (verify width - 1); None: by min_survival
     min_survival: float = 0.3  # keep draft j while the drafter's survival prod(c_1..c_{j-1}) >= this
+    sampling: Literal["rejection", "coupled"] = "rejection"
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_survival, (int, float)) or not 0.0 <= self.min_survival <= 1.0:
@@ -64,6 +71,8 @@ class GenerationConfig:
             raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ConfigError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.sampling not in ("rejection", "coupled"):
+            raise ConfigError(f"sampling must be 'rejection' or 'coupled', got {self.sampling!r}")
         if self.context_policy not in ("error", "truncate"):
             raise ConfigError(f"context_policy must be 'error' or 'truncate', got {self.context_policy!r}")
 

@@ -26,11 +26,11 @@ from .errors import ConfigError, DSparkError, GenerationError, PromptError
 from .manifest import Manifest, read_manifest, verify_role_files
 from .decoder import DecoderModel
 from .drafters import Draft, DraftRequest, create as create_drafter
-from .sampling import choose
+from .sampling import choose, coupled_choice
 from .scheduler import CostModel, Decision, Scheduler, SchedulerConfig
 from .telemetry import Reader, Sampler, Snapshot
 from .tokenizer import IncrementalDecoder, Tokenizer
-from .verify import verify_greedy, verify_sampling
+from .verify import verify_coupled, verify_greedy, verify_sampling
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +269,9 @@ class TextStream:
     def _decode(self, p: Pipeline) -> Iterator[str]:
         cfg = self.config
         rng = np.random.default_rng(cfg.seed)
+        coupled = cfg.temperature > 0 and cfg.sampling == "coupled"
+        # coupled sampling needs a seed for its per-position noise: a fresh one when none is given
+        seed = cfg.seed if cfg.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         eos = frozenset() if cfg.ignore_eos else p.eos_ids | set(cfg.stop_token_ids)
         widths_listed = p.target.widths
         if cfg.speculative:
@@ -298,7 +301,8 @@ class TextStream:
                 wants_hidden = drafter is not None and getattr(drafter, "needs_hidden", False)
                 hidden_rows: list[np.ndarray] | None = [] if wants_hidden else None
                 out = p.target.prefill(cache, np.asarray(committed, dtype=np.int64), hidden_sink=hidden_rows)
-                new = [choose(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, rng)]
+                new = [coupled_choice(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, seed, 0) if coupled
+                       else choose(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, rng)]
                 prefill_s = time.perf_counter() - t0
                 if drafter is not None:
                     drafter.begin(committed)
@@ -349,8 +353,9 @@ class TextStream:
                             if hidden_rows is not None:
                                 new_hidden = np.concatenate(hidden_rows) if hidden_rows else None
                                 hidden_rows.clear()
-                            proposal = drafter.propose(DraftRequest(committed + [pending], k_max, cfg.temperature,
-                                                                    cfg.top_k, cfg.top_p, new_hidden), rng)
+                            proposal = drafter.propose(DraftRequest(
+                                committed + [pending], k_max, cfg.temperature, cfg.top_k, cfg.top_p, new_hidden,
+                                coupled_seed=seed if coupled else None, position=len(self.token_ids)), rng)
                             _check_draft(proposal, k_max, p.manifest.model.vocab_size)
                             draft, failures = proposal, 0
                         except Exception as exc:  # a drafter must never take the generation down
@@ -378,6 +383,9 @@ class TextStream:
                     out = p.target.step(cache, np.concatenate(([pending], draft.tokens)).astype(np.int64))
                     if cfg.temperature == 0.0:
                         outcome = verify_greedy(draft.tokens, out.logits)
+                    elif coupled:  # row 0 decides answer position len(token_ids)
+                        outcome = verify_coupled(draft.tokens, out.logits, cfg.temperature, cfg.top_k, cfg.top_p,
+                                                 seed, len(self.token_ids))
                     else:
                         outcome = verify_sampling(draft.tokens, draft.q, out.logits, cfg.temperature,
                                                   cfg.top_k, cfg.top_p, rng)

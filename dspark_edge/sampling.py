@@ -54,3 +54,19 @@ def choose(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
     if temperature == 0.0:
         return int(np.argmax(logits))
     return sample(probs(logits, temperature, top_k, top_p), rng)
+
+
+def coupled_choice(logits: np.ndarray, temperature: float, top_k: int, top_p: float, seed: int,
+                   position: int) -> int:
+    """The token at answer ``position`` drawn by an exponential race, argmax p(x) / E_x with
+    E ~ Exp(1) seeded by (seed, position): an exact sample of ``probs(logits, ...)`` that is
+    a function of the seed and the position alone, so any decoding order that reaches this
+    position with the same prefix draws the same token."""
+    return coupled_pick(probs(logits, temperature, top_k, top_p), seed, position)
+
+
+def coupled_pick(p: np.ndarray, seed: int, position: int) -> int:
+    """argmax p(x) / E_x with the noise of (seed, position): a drafter that picks its draft for
+    that position this way (from its own q) matches the target's pick whenever q is close to p."""
+    e = np.random.default_rng([seed, position]).standard_exponential(p.shape[0])
+    return int(np.argmax(p / e))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampling import probs, sample
+from .sampling import coupled_choice, probs, sample
 
 RESIDUAL_EPS = 1e-12
 
@@ -61,3 +61,16 @@ def verify_sampling(drafts: np.ndarray, draft_probs: np.ndarray | None, target_l
         return VerifyOutcome(i, tuple(int(t) for t in drafts[:i]) + (token,), False)
     p = probs(target_logits[k], temperature, top_k, top_p)
     return VerifyOutcome(k, tuple(int(t) for t in drafts) + (sample(p, rng),), True)
+
+
+def verify_coupled(drafts: np.ndarray, target_logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+                   seed: int, position: int) -> VerifyOutcome:
+    """Coupled sampling: row i's token is ``coupled_choice`` at answer position
+    ``position + i``; drafts are accepted while they equal those tokens. The output is exactly
+    what plain decoding with the same seed produces, so it follows the target's distribution."""
+    k = drafts.shape[0]
+    for i in range(k + 1):
+        t = coupled_choice(target_logits[i], temperature, top_k, top_p, seed, position + i)
+        if i == k or t != int(drafts[i]):
+            return VerifyOutcome(i, tuple(int(x) for x in drafts[:i]) + (t,), i == k)
+    raise AssertionError("unreachable")

@@ -331,6 +331,24 @@ def test_sampling_follows_the_target_with_the_dspark_drafter_and_switching_width
     spec.close()
 
 
+def test_coupled_sampling_with_the_dspark_drafter_equals_plain(tiny_with_drafter):
+    """sampling="coupled": the DSpark drafter picks each draft with the target's noise for that
+    position, and the answer is plain decoding's for the seed while the widths switch."""
+    import dspark_edge
+    from dspark_edge.telemetry import FakeReader
+
+    engine, _, _ = tiny_with_drafter
+    plain = dspark_edge.load(engine, "fp32")
+    spec = dspark_edge.load(engine, "fp32", drafter="dspark", telemetry=FakeReader())
+    spec.scheduler = _CyclingScheduler(spec.scheduler)
+    for seed in range(3):
+        kw = dict(max_new_tokens=20, temperature=0.8, top_k=8, seed=seed, ignore_eos=True, sampling="coupled")
+        ref = plain.generate("The quick brown fox The quick brown", **kw)
+        r = spec.generate("The quick brown fox The quick brown", **kw)
+        assert r.token_ids == ref.token_ids and r.stats.draft_n > 0
+    spec.close()
+
+
 def test_cli_generates_with_the_dspark_drafter_and_scheduler_knobs(tiny_with_drafter, capsys):
     from dspark_edge.cli import main
 

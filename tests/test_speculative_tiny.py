@@ -133,10 +133,11 @@ def _exact_joint(pipe, prompt_ids, top_k, depth=3):
     return out
 
 
-def _chi2_rejects(pipe, prompt, exact, n, top_k) -> bool:
+def _chi2_rejects(pipe, prompt, exact, n, top_k, **extra) -> bool:
     counts = dict.fromkeys(exact, 0)
     for seed in range(n):
-        r = pipe.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=top_k, seed=seed, ignore_eos=True)
+        r = pipe.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=top_k, seed=seed, ignore_eos=True,
+                          **extra)
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
     keys = [k for k in exact if exact[k] * n >= 5]
     rest = 1.0 - sum(exact[k] for k in keys)
@@ -301,3 +302,30 @@ def test_drafter_statistics_are_per_generation_by_default():
         d.begin(ctx)
         again = d.propose(DraftRequest(ctx, 4, 1.0, 0, 1.0), np.random.default_rng(0)).confidence
         assert np.array_equal(again, fresh) == (not learn)
+
+
+def test_coupled_sampling_depends_on_the_seed_alone(plain, tiny_engine, tiny_draft_poor, tiny_draft_self):
+    """sampling="coupled": the same seed gives plain decoding's answer with any drafter, at any
+    fixed width and with the scheduler choosing widths from live timing."""
+    drafters = [tiny_draft_poor, tiny_draft_self, NgramDrafter(min_n=1, max_n=2)]
+    for seed in range(4):
+        kw = dict(max_new_tokens=24, temperature=0.9, top_k=20, top_p=0.95, seed=seed, ignore_eos=True,
+                  sampling="coupled")
+        ref = plain.generate(PROMPTS[seed % len(PROMPTS)], **kw).token_ids
+        for src in drafters:
+            auto = dspark_edge.load(tiny_engine, drafter=src)
+            assert auto.generate(PROMPTS[seed % len(PROMPTS)], **kw).token_ids == ref
+            for k in (1, 3):
+                assert auto.generate(PROMPTS[seed % len(PROMPTS)], draft_tokens=k, **kw).token_ids == ref
+            auto.close()
+    self_spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=tiny_draft_self)
+    r = self_spec.generate(PROMPTS[0], **{**kw, "draft_tokens": 3})
+    # the drafter picks with the same per-position noise: a drafter equal to the target always matches
+    assert r.stats.acceptance_rate == 1.0 and r.stats.draft_n > 0
+
+
+def test_coupled_sampling_follows_the_target_distribution(tiny_engine, tiny_draft_poor):
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=tiny_draft_poor)
+    prompt = "The quick brown fox The quick brown"
+    exact = _exact_joint(spec, spec.encode_prompt(prompt), top_k=4)
+    assert not _chi2_rejects(spec, prompt, exact, 3000, 4, sampling="coupled", draft_tokens=2)

@@ -47,6 +47,11 @@ class DraftRequest:
     top_k: int
     top_p: float
     new_hidden: np.ndarray | None = None
+    # Coupled sampling (GenerationConfig.sampling == "coupled"): the seed, and the answer
+    # position the first draft is for; draft i should be ``sampling.coupled_pick(q_i, seed,
+    # position + i)`` so that it equals the target's token whenever q_i is close to p_i.
+    coupled_seed: int | None = None
+    position: int = 0
 
 
 class Drafter(Protocol):

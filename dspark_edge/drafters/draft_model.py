@@ -18,7 +18,7 @@ from ..backends import BackendOptions
 from ..decoder import DecoderModel
 from ..errors import EngineError
 from ..manifest import Manifest, read_manifest, verify_role_files
-from ..sampling import probs, sample
+from ..sampling import coupled_pick, probs, sample
 from .base import AcceptanceTracker, Draft, DraftRequest
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,8 @@ class DraftModelDrafter:
                 conf.append(float(probs(logits, 1.0)[x]))
             else:
                 q = probs(logits, request.temperature, request.top_k, request.top_p)
-                x = sample(q, rng)
+                x = (sample(q, rng) if request.coupled_seed is None
+                     else coupled_pick(q, request.coupled_seed, request.position + i))
                 qs.append(q)
                 conf.append(float(q[x]))
             tokens.append(x)

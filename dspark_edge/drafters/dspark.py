@@ -26,7 +26,7 @@ import numpy as np
 from ..backends import BackendOptions
 from ..errors import ConfigError, EngineError
 from ..manifest import Manifest, verify_files, verify_role_files
-from ..sampling import probs, sample
+from ..sampling import coupled_pick, probs, sample
 from .base import Draft, DraftRequest
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,8 @@ class DSparkDrafter:
             q = np.zeros(self.vocab_size)
             q[self.vocab_ids] = qd
             qs.append(q)
+            if request.coupled_seed is not None:  # the target's noise for this position, over its vocabulary
+                return int(self.to_draft[coupled_pick(q, request.coupled_seed, request.position + j)])
             return sample(qd, rng)
 
         idx, z = sequential_step(u[:k], h[:k], int(self.to_draft[anchor]), self.w1, self.w2, self.conf_w,
