@@ -5,12 +5,13 @@
 
 Cycles plain decoding and every drafter available (n-gram; the engine's DSpark drafter when
 it has one; a draft-model folder when given), each with the scheduler choosing widths and at
-every fixed draft length, greedy and sampled with fixed seeds, all on ONE pipeline. Reports
+every fixed draft length, greedy, rejection-sampled and coupled-sampled with fixed seeds, all on
+ONE pipeline. Reports
 RSS after warm-up and at the end (growth %), open file descriptors and threads, and whether
-every repeat of the same (prompt, mode, seed) gave the same tokens: greedy answers must be the
-same in every mode, sampled ones per (mode, seed) at fixed draft lengths. Sampled answers with
-scheduler-chosen widths are counted apart: the widths follow measured timing and the random
-stream follows the widths. Prints JSON.
+every repeat gave the same tokens: greedy and coupled-sampled answers must be the same in every
+mode (per seed), rejection-sampled ones per (mode, seed) at fixed draft lengths. Rejection-sampled
+answers with scheduler-chosen widths are counted apart: the widths follow measured timing and the
+random stream follows the widths. Prints JSON.
 """
 
 from __future__ import annotations
@@ -49,16 +50,18 @@ def soak(engine: str, precision: str | None, runs: int, max_new_tokens: int = 24
     for i in range(runs):
         prompt = PROMPTS[i % len(PROMPTS)]
         name, drafter, extra = modes[(i // len(PROMPTS)) % len(modes)]
-        sampled = (i // (len(PROMPTS) * len(modes))) % 2 == 1
+        kind = ("greedy", "rejection", "coupled")[(i // (len(PROMPTS) * len(modes))) % 3]
         cfg = dict(max_new_tokens=max_new_tokens, ignore_eos=True, **extra)
-        if sampled:
-            cfg.update(temperature=0.8, top_p=0.95, seed=i % 7)
+        if kind != "greedy":
+            cfg.update(temperature=0.8, top_p=0.95, seed=i % 7, sampling=kind)
         pipe.drafter = drafter
         tokens = pipe.generate([{"role": "user", "content": prompt}], **cfg).token_ids
-        # greedy tokens are the same in every mode (FP32); sampled ones per (mode, seed)
-        key = (prompt, "greedy") if not sampled else (prompt, name, cfg["seed"])
+        # Greedy and coupled-sampled answers are the same in every mode (FP32); rejection-sampled
+        # ones per (mode, seed).
+        key = {"greedy": (prompt, "greedy"), "coupled": (prompt, "coupled", cfg.get("seed")),
+               "rejection": (prompt, name, cfg.get("seed"))}[kind]
         if key in seen and seen[key] != tokens:
-            if sampled and "auto" in name:
+            if kind == "rejection" and "auto" in name:
                 # Sampled, scheduler-chosen widths: the widths follow measured timing and the random
                 # stream follows the widths, so a seed reproduces its answer only at fixed widths.
                 timing_dependent += 1

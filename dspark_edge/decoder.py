@@ -53,6 +53,7 @@ class DecoderModel:
         self.session = create_decoder(backend, str(Path(engine_dir) / self.file), manifest.io, manifest.model,
                                       self.options, hidden_width)
         self.capacity = self.session.capacity
+        self.session.cached_widths = frozenset(self.widths)  # decode widths reuse their output buffers
 
     def new_cache(self) -> KVCache:
         return self.session.new_cache()

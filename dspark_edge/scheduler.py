@@ -97,7 +97,7 @@ class SchedulerConfig:
     cost_window: int = 12  # observed step times kept per width (robust median)
     min_observations: int = 3  # before a width's own correction is trusted
     gate_draft_share: float = 0.05  # the gate acts only when drafting costs this share of a plain step
-    max_record: int = 4096  # decisions kept in memory
+    max_record: int = 1024  # decisions kept in memory (a trace keeps them all: dspark_edge.metrics)
 
     def __post_init__(self) -> None:
         if not self.hot_c < self.park_c:

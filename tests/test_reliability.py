@@ -153,3 +153,12 @@ def test_huge_max_new_tokens_ends_at_the_context(tiny_engine):
     assert r.stop_reason == "context_full" and r.stats.prompt_tokens + len(r.token_ids) == 48 + 1
     with pytest.raises(ConfigError, match="max_new_tokens must be an integer >= 0"):
         small.generate("The quick", max_new_tokens=-1)
+
+
+def test_prompts_of_every_length_keep_no_extra_buffers(plain):
+    """A long-running process sees prompts of every length: only the decode widths keep output
+    buffers ([width, vocab] each), never one per prompt length."""
+    for n in range(1, 40):
+        plain.generate(" ".join(["word"] * n), max_new_tokens=2)
+    session = plain.target.session
+    assert set(session._outputs) <= set(plain.target.widths)

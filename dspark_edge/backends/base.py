@@ -72,6 +72,7 @@ class KVCache:
 
 class DecoderSession(Protocol):
     capacity: int
+    cached_widths: frozenset[int]  # widths whose output buffers are reused (the decode widths)
 
     def new_cache(self) -> KVCache: ...
 

@@ -18,7 +18,6 @@ from .base import BackendOptions, ForwardOutput, KVCache
 
 log = logging.getLogger(__name__)
 
-_MAX_CACHED_WIDTH = 64  # output buffers of wider calls (prefill chunks) are not kept
 
 
 def _import_ort():
@@ -106,6 +105,10 @@ class OrtDecoder:
         self.capacity = min(options.max_context, model.max_position_embeddings)
         self._ones = np.ones((1, self.capacity), dtype=np.int64)
         self._outputs: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+        # Output buffers are kept for these widths only (the decode widths, set by the caller):
+        # a prefill chunk's length varies with every prompt, and keeping a [w, vocab] buffer per
+        # length seen would grow without bound in a long-running process.
+        self.cached_widths: frozenset[int] = frozenset()
         self._hidden_width = hidden_width if io.hidden_states else 0
         log.info("opened %s on %s (KV capacity %d)", path, ",".join(self.providers), self.capacity)
 
@@ -131,7 +134,7 @@ class OrtDecoder:
             if self._hidden_width:
                 hidden = np.empty((1, width, self._hidden_width), dtype=np.float32)
             bufs = (logits, hidden)
-            if width <= _MAX_CACHED_WIDTH:
+            if width in self.cached_widths:
                 self._outputs[width] = bufs
         return bufs
 
