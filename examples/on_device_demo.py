@@ -265,6 +265,9 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=200, help="answer length limit (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible answers)")
+    ap.add_argument("--sampling", choices=("rejection", "coupled"), default="rejection",
+                    help="draft verification when sampling; 'coupled' makes the answer depend on the seed alone, "
+                         "so --race shows identical sampled answers")
     ap.add_argument("--plain", action="store_true", help="plain line output even on a terminal")
     args = ap.parse_args()
 
@@ -291,7 +294,7 @@ def main() -> int:
             trace = TraceWriter(args.trace, label=f"demo {manifest.model.name} drafter {drafter}")
             pipe.add_observer(trace)
         cfg = dspark_edge.GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                           seed=args.seed)
+                                           seed=args.seed, sampling=args.sampling)
         history: list[dict] = []
         while True:
             if args.chat:
