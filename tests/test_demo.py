@@ -45,6 +45,10 @@ def test_race_reports_speedup_and_identical_tokens(tiny_engine, tiny_draft_poor)
     assert "--- plain" in p.stdout and "--- speculative" in p.stdout
     assert "speedup" in p.stdout and "identical tokens" in p.stdout  # FP32 greedy: lossless
     assert "target fp32" in p.stdout  # the race defaults to FP32
+    q = demo("--engine", str(tiny_engine), "--drafter", str(tiny_draft_poor), "--max-new-tokens", "20", "--race",
+             "--temperature", "0.8", "--seed", "3", "--sampling", "coupled")
+    assert q.returncode == 0, q.stderr
+    assert "identical tokens" in q.stdout  # sampled, yet the same answer: it depends on the seed alone
 
 
 def test_chat_reads_turns_from_stdin(tiny_engine):
