@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO
 
 from .errors import ConfigError
+from .verify import judged
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def summarize(rounds: list[dict]) -> dict:
     reached: Counter = Counter()
     kept: Counter = Counter()
     for r in drafted:
-        for pos in range(1, min(r["accepted"] + 1, r["drafted"]) + 1):
+        for pos in range(1, judged(r["drafted"], r["accepted"]) + 1):
             reached[pos] += 1
         for pos in range(1, r["accepted"] + 1):
             kept[pos] += 1
@@ -162,7 +163,7 @@ class PrometheusMetrics:
             self.draft_n_accepted.inc(info.accepted)
             self.accept_length.observe(info.accepted)
             self.draft_seconds.observe(info.draft_ms / 1e3)
-            for pos in range(1, min(info.accepted + 1, info.drafted) + 1):
+            for pos in range(1, judged(info.drafted, info.accepted) + 1):
                 self.per_pos.labels(position=str(pos)).inc()
             for pos in range(1, info.accepted + 1):
                 self.per_pos_accepted.labels(position=str(pos)).inc()

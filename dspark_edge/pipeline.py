@@ -30,7 +30,7 @@ from .sampling import choose, coupled_choice
 from .scheduler import CostModel, Decision, Scheduler, SchedulerConfig
 from .telemetry import Reader, Sampler, Snapshot
 from .tokenizer import IncrementalDecoder, Tokenizer
-from .verify import verify_coupled, verify_greedy, verify_sampling
+from .verify import judged, verify_coupled, verify_greedy, verify_sampling
 
 log = logging.getLogger(__name__)
 
@@ -270,8 +270,9 @@ class TextStream:
         cfg = self.config
         rng = np.random.default_rng(cfg.seed)
         coupled = cfg.temperature > 0 and cfg.sampling == "coupled"
-        # coupled sampling needs a seed for its per-position noise: a fresh one when none is given
-        seed = cfg.seed if cfg.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        seed = cfg.seed  # coupled sampling's per-position noise needs one: a fresh one when none is given
+        if coupled and seed is None:
+            seed = int(np.random.SeedSequence().entropy % 2**63)
         eos = frozenset() if cfg.ignore_eos else p.eos_ids | set(cfg.stop_token_ids)
         widths_listed = p.target.widths
         if cfg.speculative:
@@ -494,7 +495,7 @@ class _RoundStats:
             self.accepted += outcome.accepted
             self.bonus += int(outcome.bonus)
             self.hist[str(outcome.accepted)] = self.hist.get(str(outcome.accepted), 0) + 1
-            self.reached[:min(outcome.accepted + 1, drafted)] += 1
+            self.reached[:judged(drafted, outcome.accepted)] += 1
             self.kept[:outcome.accepted] += 1
 
     def finish(self, **kw) -> GenerationStats:

@@ -24,6 +24,12 @@ from .sampling import coupled_choice, probs, sample
 RESIDUAL_EPS = 1e-12
 
 
+def judged(drafted: int, accepted: int) -> int:
+    """How many draft positions a verification judged: every accepted draft and the first
+    rejected one (never more than were drafted). Per-position acceptance is accepted/judged."""
+    return min(accepted + 1, drafted)
+
+
 @dataclass(frozen=True)
 class VerifyOutcome:
     accepted: int  # a: drafts accepted (0..k)

@@ -57,8 +57,7 @@ def staging(output: Path) -> Iterator[Path]:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise ExportError(f"no space left on the device holding {output.parent} ({exc}): free some space or "
                               f"write elsewhere; nothing was written and {output} is unchanged") from exc
-        raise ExportError(f"writing the export failed ({exc}); nothing was written and {output} is "
-                          "unchanged") from exc
+        raise ExportError(f"the export failed ({exc}); nothing was written and {output} is unchanged") from exc
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 

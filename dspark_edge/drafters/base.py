@@ -15,6 +15,8 @@ from typing import Protocol
 
 import numpy as np
 
+from ..verify import judged
+
 
 @dataclass
 class Draft:
@@ -80,7 +82,7 @@ class AcceptanceTracker:
 
     def update(self, drafted: int, accepted: int) -> None:
         n = min(drafted, self.tried.shape[0])
-        reached = min(accepted + 1, n)  # positions 0..accepted were judged
+        reached = judged(n, accepted)
         self.tried[:reached] += 1
         self.accepted[:min(accepted, n)] += 1
 
