@@ -103,8 +103,14 @@ class _Outputs:
     """The --trace / --prometheus / --plot outputs of generate and chat, as pipeline observers."""
 
     def __init__(self, pipe, args) -> None:
+        from pathlib import Path
+
+        from .errors import ConfigError
         from .metrics import PrometheusMetrics, TraceWriter
 
+        for option, path in (("--prometheus", args.prometheus), ("--plot", args.plot)):
+            if path and not Path(path).resolve().parent.is_dir():
+                raise ConfigError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist")
         self.args, self.rounds = args, []
         self.trace = TraceWriter(args.trace, label=f"{args.command} {args.engine}") if args.trace else None
         self.prom = PrometheusMetrics() if args.prometheus else None

@@ -24,6 +24,8 @@ def read_jsonl(path, error: type[Exception]) -> list[tuple[int, dict]]:
     import json
     from pathlib import Path
 
+    if not Path(path).is_file():
+        raise error(f"{path} does not exist or is not a file")
     out = []
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():

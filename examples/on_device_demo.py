@@ -279,6 +279,9 @@ def main() -> int:
             live = False
     trace = None
     try:
+        for option, path in (("--plot", args.plot), ("--trace", args.trace)):
+            if path and not Path(path).resolve().parent.is_dir():
+                raise dspark_edge.ConfigError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist")
         manifest = dspark_edge.read_manifest(args.engine)
         # INT8 kernels round differently at different widths, so INT8 speculative output may drift
         # from INT8 plain output; the race compares at FP32 unless told otherwise.

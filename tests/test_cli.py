@@ -119,6 +119,10 @@ def test_generate_writes_trace_metrics_and_plot(tiny_engine, tmp_path):
     assert json.loads(q.stdout)["rounds"] == len(rounds)
     bad = run("plot", str(trace), str(tmp_path / "x.png"), "--generation", "5")
     assert bad.returncode == 2 and "holds answers 0..0" in bad.stderr
+    missing = run("plot", str(tmp_path / "none.jsonl"), str(tmp_path / "x.png"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    nodir = run("generate", "--engine", str(tiny_engine), "hi", "--prometheus", str(tmp_path / "no" / "m.prom"))
+    assert nodir.returncode == 2 and "does not exist" in nodir.stderr and "Traceback" not in nodir.stderr
 
 
 def test_every_option_is_explained():

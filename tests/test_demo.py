@@ -62,6 +62,8 @@ def test_bad_engine_is_a_clear_error(tmp_path):
     assert p.returncode == 2 and "error:" in p.stderr and "Traceback" not in p.stderr
     p = demo("--engine", str(tmp_path / "nope"), "--race", "--drafter", "none")
     assert p.returncode == 2
+    p = demo("--plot", str(tmp_path / "no" / "t.png"))
+    assert p.returncode == 2 and "does not exist" in p.stderr and "Traceback" not in p.stderr
 
 
 def _tmux_capture(cmd: str, tmp_path: Path, timeout: float = 240) -> str:
