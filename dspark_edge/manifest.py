@@ -80,19 +80,27 @@ class TokenizerInfo:
 
 @dataclass(frozen=True)
 class GraphIO:
-    """Tensor names of a decoder graph; ``{layer}`` stands for the layer index."""
+    """Tensor names of a decoder graph; ``{layer}`` stands for the layer index.
+
+    ``kv_layout`` "shared_buffer": past and present name one preallocated [1, kv_heads,
+    capacity, head_dim] buffer the graph writes in place (the fused ONNX Runtime graph).
+    "append": past is the committed prefix [1, length, kv_heads, head_dim] of a sequence-major
+    buffer and present names outputs holding only the new positions' K/V, which the runtime
+    binds right after the prefix (the portable graph; no attention mask input)."""
 
     input_ids: str
-    attention_mask: str
+    attention_mask: str | None
     past_key: str
     past_value: str
     present_key: str
     present_value: str
     logits: str
     hidden_states: str | None
-    kv_layout: Literal["shared_buffer"]  # past and present are one preallocated buffer
+    kv_layout: Literal["shared_buffer", "append"]
 
     def __post_init__(self) -> None:
+        if self.kv_layout == "shared_buffer" and not self.attention_mask:
+            raise ValueError("kv_layout shared_buffer needs an attention_mask input")
         for key in ("past_key", "past_value", "present_key", "present_value"):
             if "{layer}" not in getattr(self, key):
                 raise ValueError(f"{key} {getattr(self, key)!r} must contain '{{layer}}'")
@@ -108,6 +116,7 @@ class Variant:
     precision: Precision
     backend: Backend
     file: str
+    device: Literal["any", "gpu"] = "any"  # "gpu": built for GPUs (FP16; TensorRT engines)
 
     def __post_init__(self) -> None:
         if self.width < 1:

@@ -27,11 +27,15 @@ from dspark_edge.manifest import (GraphIO, Manifest, ModelInfo, SCHEMA_VERSION, 
                                   write_manifest)
 
 from .atomic import publish, staging
+from .portable import PORTABLE_IO, PORTABLE_PRECISIONS
 from .sources import Source, load_source, resolve_source, source_digest
 
 log = logging.getLogger(__name__)
 
 TARGET_PRECISIONS = ("fp32", "int8", "int4")
+# "fused": onnxruntime-genai's CPU-tuned graph (contrib operators); "portable": standard operators
+# only, for TensorRT and GPU providers (export.portable).
+GRAPHS = ("fused", "portable")
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8)
 MAX_WIDTH = 64
 GRAPH_IO = GraphIO(input_ids="input_ids", attention_mask="attention_mask",
@@ -62,6 +66,7 @@ class ExportOptions:
     keep_layers: int | None = None
     target_engine: Path | None = None
     distill_minutes: float = 0.0
+    graph: str = "fused"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output", Path(self.output))
@@ -80,12 +85,17 @@ class ExportOptions:
             object.__setattr__(self, "target_engine", Path(self.target_engine))
             if not (self.target_engine / "manifest.json").is_file():
                 raise ExportError(f"--target {self.target_engine} is not an engine folder (no manifest.json)")
+        if self.graph not in GRAPHS:
+            raise ExportError(f"graph must be one of {list(GRAPHS)}, got {self.graph!r}")
+        allowed = TARGET_PRECISIONS if self.graph == "fused" else PORTABLE_PRECISIONS
         if not self.precisions:
-            raise ExportError("precisions is empty: name at least one of " + ", ".join(TARGET_PRECISIONS))
-        bad = [p for p in self.precisions if p not in TARGET_PRECISIONS]
+            raise ExportError("precisions is empty: name at least one of " + ", ".join(allowed))
+        bad = [p for p in self.precisions if p not in allowed]
         if bad:
-            raise ExportError(f"unsupported target precision(s) {bad}: choose from {list(TARGET_PRECISIONS)} "
-                              "(fp16 comes with the GPU exporter)")
+            hint = (" (fp16 needs --graph portable)" if self.graph == "fused" and "fp16" in bad else
+                    " (int4 needs --graph fused)" if "int4" in bad else "")
+            raise ExportError(f"unsupported precision(s) {bad} for the {self.graph} graph: choose from "
+                              f"{list(allowed)}{hint}")
         if len(set(self.precisions)) != len(self.precisions):
             raise ExportError(f"precisions lists one twice: {list(self.precisions)}")
         if not self.widths or any(not isinstance(w, int) or not 1 <= w <= MAX_WIDTH for w in self.widths):
@@ -193,19 +203,72 @@ def _check_draft_compatible(manifest: Manifest, target_engine: Path, output: Pat
         raise ExportError(f"{exc}; nothing was written") from exc
 
 
+def calibration_sequences(hf_tok, count: int = 32) -> list[list[int]]:
+    """Token ids of real prompts (the project's prompt set, chat-formatted) for INT8 calibration."""
+    import json
+    from importlib.resources import files
+
+    text = (files("export") / "data" / "distill_prompts.jsonl").read_text(encoding="utf-8")
+    seqs = []
+    for line in text.splitlines()[:count]:
+        messages = json.loads(line)["messages"]
+        if getattr(hf_tok, "chat_template", None):
+            ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = hf_tok(messages[-1]["content"], add_special_tokens=False)["input_ids"]
+        seqs.append([int(i) for i in ids])
+    return seqs
+
+
+def _build_portable(model, hf_tok, options: ExportOptions, layers, stage: Path, scratch: Path, say: Progress,
+                    step: Callable[[], int], steps: int) -> list[Variant]:
+    """The portable graph at every requested precision (FP16 and INT8 are made from FP32)."""
+    from .portable import convert_fp16, export_fp32, quantize_int8
+
+    role, cfg = options.role, model.config
+    t0 = time.perf_counter()
+    fp32 = (stage if "fp32" in options.precisions else scratch) / role / "fp32" / "model.onnx"
+    export_fp32(model, layers, fp32)
+    say(f"      traced in {time.perf_counter() - t0:.1f}s")
+    variants = []
+    for precision in options.precisions:
+        rel = f"{role}/{precision}/model.onnx"
+        if precision != "fp32":
+            t0 = time.perf_counter()
+            say(f"[{step()}/{steps}] making the {precision} portable graph")
+            if precision == "fp16":
+                convert_fp16(fp32, stage / rel)
+            else:
+                heads = cfg.num_attention_heads
+                quantize_int8(fp32, stage / rel, calibration_sequences(hf_tok), cfg.num_hidden_layers,
+                              getattr(cfg, "num_key_value_heads", None) or heads,
+                              getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, say)
+            say(f"      {precision} graph made in {time.perf_counter() - t0:.1f}s")
+        device = "gpu" if precision == "fp16" else "any"
+        variants += [Variant(role=role, width=w, precision=precision, backend="onnxruntime", file=rel,
+                             device=device) for w in options.widths]
+    return variants
+
+
 def export_target(options: ExportOptions, progress: Progress | None = None) -> Manifest:
     """Export ``options.source`` into ``options.output``; returns the written manifest."""
     say = progress or (lambda msg: log.info("%s", msg))
     source = resolve_source(options.source)
     try:
-        import onnxruntime_genai.models.builder  # noqa: F401  (fail before any long work)
+        if options.graph == "fused":
+            import onnxruntime_genai.models.builder  # noqa: F401  (fail before any long work)
+        else:
+            import onnx  # noqa: F401
+            import onnxruntime.quantization  # noqa: F401
     except ImportError as exc:
         raise ExportError(f"the exporter needs the export extra (onnxruntime-genai's model builder): "
                           f"pip install 'dspark-edge[export]' ({exc})") from exc
     from .tokenizer import write_tokenizer
     from .validate import VALIDATION_PROMPTS, torch_reference, validate_precision
 
-    steps = 4 + len(options.precisions) + (1 if options.validate else 0)
+    graph_steps = len(options.precisions) if options.graph == "fused" else len(set(options.precisions) - {"fp32"})
+    steps = 4 + graph_steps + (1 if options.validate else 0)
     n = iter(range(1, steps + 1))
     t_start = time.perf_counter()
     with staging(options.output) as stage, tempfile.TemporaryDirectory(prefix="dspark-export-") as scratch:
@@ -231,22 +294,28 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
             config.num_hidden_layers)
         _check_hidden_layers(layers, config.num_hidden_layers)
         info = _model_info(source, config, source_digest(source))
-        say(f"[{next(n)}/{steps}] writing the FP32 checkpoint for the graph builder")
-        hf_dir = scratch / "hf"
-        model.save_pretrained(hf_dir)
-        hf_tok.save_pretrained(hf_dir)
-        variants = []
-        for precision in options.precisions:
-            t0 = time.perf_counter()
-            say(f"[{next(n)}/{steps}] building the {precision} {options.role} graph (hidden layers {list(layers)})")
-            rel = f"{options.role}/{precision}"
-            build_graph(hf_dir, stage / rel, precision, layers, scratch / f"builder-{precision}.log")
-            variants += [Variant(role=options.role, width=w, precision=precision, backend="onnxruntime",
-                                 file=f"{rel}/model.onnx") for w in options.widths]
-            say(f"      {precision} graph built in {time.perf_counter() - t0:.1f}s")
+        if options.graph == "portable":
+            say(f"[{next(n)}/{steps}] tracing the portable FP32 graph (standard ONNX operators)")
+            variants = _build_portable(model, hf_tok, options, layers, stage, scratch, say,
+                                       lambda: next(n), steps)
+        else:
+            say(f"[{next(n)}/{steps}] writing the FP32 checkpoint for the graph builder")
+            hf_dir = scratch / "hf"
+            model.save_pretrained(hf_dir)
+            hf_tok.save_pretrained(hf_dir)
+            variants = []
+            for precision in options.precisions:
+                t0 = time.perf_counter()
+                say(f"[{next(n)}/{steps}] building the {precision} {options.role} graph (hidden layers {list(layers)})")
+                rel = f"{options.role}/{precision}"
+                build_graph(hf_dir, stage / rel, precision, layers, scratch / f"builder-{precision}.log")
+                variants += [Variant(role=options.role, width=w, precision=precision, backend="onnxruntime",
+                                     file=f"{rel}/model.onnx") for w in options.widths]
+                say(f"      {precision} graph built in {time.perf_counter() - t0:.1f}s")
         say(f"[{next(n)}/{steps}] writing tokenizer and chat template")
         gen_cfg = getattr(model, "generation_config", None)
         tok_info = write_tokenizer(hf_tok, config, stage, gen_cfg)
+        graph_io = PORTABLE_IO if options.graph == "portable" else GRAPH_IO
         say(f"[{next(n)}/{steps}] hashing files")
         files = tuple(file_entry(stage, p.relative_to(stage).as_posix())
                       for p in sorted(stage.rglob("*")) if p.is_file())
@@ -254,7 +323,7 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
             schema_version=SCHEMA_VERSION,
             created_utc=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             exporter={**_versions(), **extra_info}, model=info, tokenizer=tok_info,
-            io=GRAPH_IO if layers else replace(GRAPH_IO, hidden_states=None), hidden_state_layers=layers,
+            io=graph_io if layers else replace(graph_io, hidden_states=None), hidden_state_layers=layers,
             variants=tuple(variants), files=files)
         if options.target_engine is not None:
             _check_draft_compatible(manifest, options.target_engine, options.output)

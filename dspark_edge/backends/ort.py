@@ -1,9 +1,13 @@
 """ONNX Runtime decoder: one session per graph file, used at every width (weights shared).
 
-The graph's past and present KV are one preallocated buffer per layer ([1, kv_heads,
-capacity, head_dim]) bound as both input and output with IOBinding, so a step copies no
-cache. Outputs are written into preallocated numpy arrays (one set per width), so the
-Python work per step is a few binding calls.
+The KV cache is preallocated once per cache on the session's device (host memory for the
+CPU provider, GPU memory for the CUDA and TensorRT providers) and bound with IOBinding, so a
+step copies no cache and, on a GPU, the cache never leaves the device:
+- "shared_buffer" graphs (the fused graph): past and present are one [1, kv_heads, capacity,
+  head_dim] buffer per layer, bound as both input and output once per cache;
+- "append" graphs (the portable graph): past is bound to the committed prefix of a
+  sequence-major buffer and the new-K/V output right after it (``layout.AppendLayout``).
+Logits and hidden states are written into preallocated host arrays (one set per decode width).
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ import numpy as np
 from ..errors import BackendError, EngineError
 from ..manifest import GraphIO, ModelInfo
 from .base import BackendOptions, ForwardOutput, KVCache
+from .layout import AppendLayout
 
 log = logging.getLogger(__name__)
 
+# Providers whose tensors live in CUDA device memory.
+CUDA_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 
 
 def _import_ort():
@@ -71,11 +78,21 @@ def open_session(path: str, options: BackendOptions):
                           "corrupted, or need a newer onnxruntime; re-export the engine folder") from exc
 
 
+def kv_device(providers: tuple[str, ...], options: BackendOptions) -> tuple[str, int]:
+    """(device type, device id) for the KV cache: the device of the session's first provider."""
+    first = providers[0] if providers else "CPUExecutionProvider"
+    if first not in CUDA_PROVIDERS:
+        return "cpu", 0
+    opts = dict(zip(options.providers, options.provider_options or [{}] * len(options.providers))).get(first, {})
+    return "cuda", int(opts.get("device_id", 0))
+
+
 class OrtKVCache(KVCache):
     def __init__(self, capacity: int, buffers: list, binding) -> None:
         super().__init__(capacity)
         self.buffers = buffers  # OrtValues, kept alive while bound
         self.binding = binding
+        self.pointers = [int(b.data_ptr()) for b in buffers]
 
 
 class OrtDecoder:
@@ -88,7 +105,7 @@ class OrtDecoder:
         self.providers = tuple(self.session.get_providers())
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = {o.name for o in self.session.get_outputs()}
-        needed_in = [io.input_ids, io.attention_mask] + [
+        needed_in = [io.input_ids] + ([io.attention_mask] if io.attention_mask else []) + [
             getattr(io, k).format(layer=i) for i in range(model.num_layers) for k in ("past_key", "past_value")]
         needed_out = [io.logits] + [
             getattr(io, k).format(layer=i) for i in range(model.num_layers) for k in ("present_key", "present_value")]
@@ -110,21 +127,48 @@ class OrtDecoder:
         # length seen would grow without bound in a long-running process.
         self.cached_widths: frozenset[int] = frozenset()
         self._hidden_width = hidden_width if io.hidden_states else 0
-        log.info("opened %s on %s (KV capacity %d)", path, ",".join(self.providers), self.capacity)
+        self.device, self.device_id = kv_device(self.providers, options)
+        self.layout = None
+        if io.kv_layout == "append":
+            self.layout = AppendLayout(self.capacity, model.num_kv_heads, model.head_dim,
+                                       np.dtype(self.kv_dtype).itemsize)
+        # (past, new) tensor names in the order of a cache's buffers
+        self._append_names = [(past.format(layer=i), new.format(layer=i)) for i in range(model.num_layers)
+                              for past, new in ((io.past_key, io.present_key), (io.past_value, io.present_value))]
+        log.info("opened %s on %s (KV capacity %d, %s layout, cache on %s)", path, ",".join(self.providers),
+                 self.capacity, io.kv_layout, self.device)
 
     def new_cache(self) -> OrtKVCache:
         ort = _import_ort()
         m, io = self.model, self.io
-        shape = (1, m.num_kv_heads, self.capacity, m.head_dim)
+        if self.layout is not None:
+            shape = self.layout.buffer_shape
+        else:
+            shape = (1, m.num_kv_heads, self.capacity, m.head_dim)
         binding = self.session.io_binding()
         buffers = []
         for layer in range(m.num_layers):
             for past, present in ((io.past_key, io.present_key), (io.past_value, io.present_value)):
-                value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self.kv_dtype))
-                binding.bind_ortvalue_input(past.format(layer=layer), value)
-                binding.bind_ortvalue_output(present.format(layer=layer), value)
+                # On the CPU the OrtValue wraps this array's memory (one array per buffer);
+                # on a GPU it is copied to a new device allocation.
+                value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self.kv_dtype), self.device,
+                                                         self.device_id)
+                if self.layout is None:
+                    binding.bind_ortvalue_input(past.format(layer=layer), value)
+                    binding.bind_ortvalue_output(present.format(layer=layer), value)
                 buffers.append(value)
         return OrtKVCache(self.capacity, buffers, binding)
+
+    def _bind_append(self, cache: OrtKVCache, width: int) -> None:
+        """Bind past to each buffer's committed prefix and the new K/V right after it."""
+        lay, io, b = self.layout, self.io, cache.binding
+        assert lay is not None
+        past_shape, new_shape = lay.past_shape(cache.length), lay.new_shape(width)
+        offset = lay.new_offset(cache.length)
+        dev, dev_id, dtype = self.device, self.device_id, self.kv_dtype
+        for (past, new), ptr in zip(self._append_names, cache.pointers):
+            b.bind_input(past, dev, dev_id, dtype, past_shape, ptr)
+            b.bind_output(new, dev, dev_id, dtype, new_shape, ptr + offset)
 
     def _output_buffers(self, width: int) -> tuple[np.ndarray, np.ndarray | None]:
         bufs = self._outputs.get(width)
@@ -147,7 +191,10 @@ class OrtDecoder:
                                "KV positions: the context is full (raise max_context when loading)")
         b, io = cache.binding, self.io
         b.bind_cpu_input(io.input_ids, ids.reshape(1, width))
-        b.bind_cpu_input(io.attention_mask, self._ones[:, :total])
+        if io.attention_mask:
+            b.bind_cpu_input(io.attention_mask, self._ones[:, :total])
+        if self.layout is not None:
+            self._bind_append(cache, width)
         logits, hidden = self._output_buffers(width)
         b.bind_output(io.logits, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         if hidden is not None:
