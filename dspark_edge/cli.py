@@ -26,8 +26,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--providers", default="CPUExecutionProvider",
                    help="comma-separated onnxruntime execution providers in priority order (default: %(default)s); "
                         "an unavailable one is an error unless --fallback-to-cpu")
+    p.add_argument("--provider-option", action="append", default=[], metavar="PROVIDER:KEY=VALUE",
+                   help="an option of one execution provider, e.g. CUDAExecutionProvider:device_id=1 or "
+                        "TensorrtExecutionProvider:trt_fp16_enable=1 (repeatable)")
     p.add_argument("--fallback-to-cpu", action="store_true",
                    help="use the CPU provider (logged) when a requested provider is unavailable")
+    p.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
+                   help="run the target on ONNX Runtime (with --providers) or on the TensorRT engines built by "
+                        "`python -m export trt` (default: %(default)s)")
+    p.add_argument("--device-id", type=int, default=0, help="CUDA device for GPU providers and TensorRT (default: 0)")
     p.add_argument("--no-scheduler", action="store_true",
                    help="with a drafter: keep drafts by the survival cut instead of the confidence scheduler")
     p.add_argument("--sched", action="append", default=[], metavar="KEY=VALUE",
@@ -55,13 +62,29 @@ def _scheduler_config(args):
     return SchedulerConfig(**values)
 
 
+def provider_options(providers: tuple[str, ...], items: list[str]) -> tuple[dict, ...]:
+    """``--provider-option PROVIDER:KEY=VALUE`` items as one options dict per provider."""
+    from .errors import ConfigError
+
+    opts: dict[str, dict[str, str]] = {p: {} for p in providers}
+    for item in items:
+        name, _, kv = item.partition(":")
+        key, _, value = kv.partition("=")
+        if not key or not _ or name not in opts:
+            raise ConfigError(f"--provider-option {item!r}: expected PROVIDER:KEY=VALUE with PROVIDER one of "
+                              f"--providers {list(providers)}")
+        opts[name][key] = value
+    return tuple(opts[p] for p in providers) if items else ()
+
+
 def _load(args, drafter=None):
     from .pipeline import load
 
-    options = BackendOptions(providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
+    providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
+    options = BackendOptions(providers=providers, provider_options=provider_options(providers, args.provider_option),
                              intra_op_threads=args.threads, max_context=args.max_context,
-                             fallback_to_cpu=args.fallback_to_cpu)
-    return load(args.engine, args.precision, drafter=drafter, options=options,
+                             fallback_to_cpu=args.fallback_to_cpu, device_id=args.device_id)
+    return load(args.engine, args.precision, drafter=drafter, backend=args.backend, options=options,
                 verify_hashes=not args.no_verify_hashes, scheduler=_scheduler_config(args))
 
 

@@ -26,18 +26,21 @@ class DecoderModel:
     def __init__(self, manifest: Manifest, engine_dir: str | Path, precision: str | None = None,
                  backend: str = "onnxruntime", options: BackendOptions | None = None,
                  role: str = "target") -> None:
-        available = manifest.precisions(role)
-        if not available:
+        if not manifest.precisions(role):
             raise EngineError(f"{engine_dir}: the manifest lists no {role} variant")
+        available = manifest.precisions(role, backend)
         if precision is None:
-            precision = available[0]
-        if precision not in available:
-            raise ConfigError(f"precision {precision!r} is not in this engine's {role} (it has {available}); "
-                              f"export it with `--precisions {precision}`")
+            precision = (available or manifest.precisions(role))[0]
+        if precision not in manifest.precisions(role):
+            raise ConfigError(f"precision {precision!r} is not in this engine's {role} (it has "
+                              f"{manifest.precisions(role)}); export it with `--precisions {precision}`")
         variants = manifest.variants_for(role, precision, backend)
         if not variants:
-            raise ConfigError(f"no {backend} {role} variant at precision {precision}; "
-                              f"backends present: {sorted({v.backend for v in manifest.variants_for(role, precision)})}")
+            present = sorted({v.backend for v in manifest.variants_for(role, precision)})
+            hint = ("; build TensorRT engines with `python -m export trt --engine DIR`" if backend == "tensorrt"
+                    else "")
+            raise ConfigError(f"no {backend} {role} variant at precision {precision} (backends present for "
+                              f"{precision}: {present}){hint}")
         files = {v.file for v in variants}
         if len(files) != 1:
             raise EngineError(f"{precision} {role} variants name several graph files {sorted(files)}; "
@@ -50,8 +53,9 @@ class DecoderModel:
         self.widths = tuple(sorted(v.width for v in variants))
         self.options = options or BackendOptions()
         hidden_width = manifest.model.hidden_size * len(manifest.hidden_state_layers)
+        engine = manifest.tensorrt_engine(self.file) if backend == "tensorrt" else None
         self.session = create_decoder(backend, str(Path(engine_dir) / self.file), manifest.io, manifest.model,
-                                      self.options, hidden_width)
+                                      self.options, hidden_width, engine)
         self.capacity = self.session.capacity
         self.session.cached_widths = frozenset(self.widths)  # decode widths reuse their output buffers
 

@@ -165,6 +165,34 @@ class DrafterInfo:
 
 
 @dataclass(frozen=True)
+class TensorRTEngine:
+    """A TensorRT engine built from one portable ONNX graph (``python -m export trt``). One
+    engine holds the weights once and an optimization profile per decode width (input_ids
+    fixed at [1, w], past length 0 .. max_context - w) plus, marked 0 in ``profiles``, a
+    prefill profile (1 .. prefill_max new tokens). It runs only with the TensorRT version
+    and GPU (compute capability) it was built for."""
+
+    file: str
+    onnx: str
+    precision: Precision
+    profiles: tuple[int, ...]  # new tokens per profile, in profile order; 0 = the prefill profile
+    prefill_max: int
+    max_context: int
+    tensorrt_version: str
+    gpu: str
+    compute_capability: str
+    timing_cache: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.profiles or any(w < 0 for w in self.profiles) or len(set(self.profiles)) != len(self.profiles):
+            raise ValueError(f"profiles must list distinct widths >= 0 (0 = prefill), got {list(self.profiles)}")
+        if self.max_context < 2 or self.prefill_max < 1:
+            raise ValueError("max_context must be >= 2 and prefill_max >= 1")
+        if max(self.profiles) >= self.max_context:
+            raise ValueError(f"a profile width {max(self.profiles)} leaves no context (max_context {self.max_context})")
+
+
+@dataclass(frozen=True)
 class Manifest:
     schema_version: int
     created_utc: str
@@ -177,6 +205,13 @@ class Manifest:
     files: tuple[FileEntry, ...]
     validation: tuple[ValidationResult, ...] = field(default=())
     drafter: DrafterInfo | None = None
+    tensorrt: tuple[TensorRTEngine, ...] = field(default=())
+
+    def tensorrt_engine(self, file: str) -> TensorRTEngine:
+        for e in self.tensorrt:
+            if e.file == file:
+                return e
+        raise EngineError(f"the manifest describes no TensorRT engine {file!r}; rebuild with `python -m export trt`")
 
     def __post_init__(self) -> None:
         if self.schema_version > SCHEMA_VERSION:
@@ -207,6 +242,17 @@ class Manifest:
             seen.add(key)
         if self.tokenizer.file not in known:
             raise ValueError(f"tokenizer file {self.tokenizer.file!r} is not listed in files")
+        for e in self.tensorrt:
+            if e.file not in known:
+                raise ValueError(f"TensorRT engine {e.file!r} is not listed in files")
+            widths = {v.width for v in self.variants if v.file == e.file}
+            if not widths or not widths <= set(e.profiles):
+                raise ValueError(f"TensorRT engine {e.file!r}: variants {sorted(widths)} need profiles "
+                                 f"{list(e.profiles)} to include each of their widths")
+        for v in self.variants:
+            if v.backend == "tensorrt" and not any(e.file == v.file for e in self.tensorrt):
+                raise ValueError(f"variant {v.role}/{v.precision}/w{v.width} names TensorRT engine {v.file!r} "
+                                 "that the tensorrt section does not describe")
         has_drafter_variants = any(v.role == "drafter" for v in self.variants)
         if has_drafter_variants != (self.drafter is not None):
             raise ValueError("drafter variants and the drafter section must come together")
@@ -228,12 +274,12 @@ class Manifest:
                 and (precision is None or v.precision == precision)
                 and (backend is None or v.backend == backend)]
 
-    def precisions(self, role: str = "target") -> list[str]:
-        present = {v.precision for v in self.variants if v.role == role}
+    def precisions(self, role: str = "target", backend: str | None = None) -> list[str]:
+        present = {v.precision for v in self.variants if v.role == role and backend in (None, v.backend)}
         return [p for p in PRECISIONS if p in present]
 
-    def widths(self, role: str, precision: str) -> tuple[int, ...]:
-        return tuple(sorted(v.width for v in self.variants_for(role, precision)))
+    def widths(self, role: str, precision: str, backend: str | None = None) -> tuple[int, ...]:
+        return tuple(sorted({v.width for v in self.variants_for(role, precision, backend)}))
 
     def file_entry(self, path: str) -> FileEntry:
         for f in self.files:

