@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .backends import BackendOptions, ForwardOutput, KVCache, create_decoder
+from .backends import BACKENDS, BackendOptions, ForwardOutput, KVCache, create_decoder
 from .errors import ConfigError, EngineError
 from .manifest import Manifest
 
@@ -26,6 +26,8 @@ class DecoderModel:
     def __init__(self, manifest: Manifest, engine_dir: str | Path, precision: str | None = None,
                  backend: str = "onnxruntime", options: BackendOptions | None = None,
                  role: str = "target") -> None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"backend {backend!r} is not supported: choose one of {list(BACKENDS)}")
         if not manifest.precisions(role):
             raise EngineError(f"{engine_dir}: the manifest lists no {role} variant")
         available = manifest.precisions(role, backend)
@@ -77,6 +79,7 @@ class DecoderModel:
         """Run and commit all of ``ids``; returns the last chunk's output. With ``hidden_sink``,
         a copy of every chunk's hidden states ([n, H * layers]) is appended to it."""
         out = None
+        chunk = min(chunk, getattr(self.session, "prefill_max", chunk))  # a TensorRT prefill profile's limit
         for start in range(0, ids.shape[0], chunk):
             part = ids[start:start + chunk]
             out = self.session.forward(cache, part)

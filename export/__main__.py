@@ -5,6 +5,9 @@
         --output engines/smollm2-draft
     python -m export train-drafter --target engines/smollm2-135m --output drafters/smollm2-135m
     python -m export drafter --target engines/smollm2-135m --weights drafters/smollm2-135m
+    python -m export target --source default --graph portable --precisions fp32,fp16,int8 \
+        --output engines/smollm2-135m-portable
+    python -m export trt --engine engines/smollm2-135m-portable      (NVIDIA GPU + TensorRT)
 """
 
 from __future__ import annotations
@@ -102,7 +105,40 @@ def build_parser() -> argparse.ArgumentParser:
                     help="drafter precisions: fp32, int8 (default: fp32,int8)")
     dr.add_argument("--source", default="default", help="the target's source (for its embeddings and LM head)")
     dr.add_argument("-v", "--verbose", action="store_true", help="log details")
+
+    rt = sub.add_parser("trt", help="build TensorRT engines from a portable engine folder (NVIDIA GPU + TensorRT)",
+                        description="Build one TensorRT engine per precision from the folder's portable ONNX graphs "
+                                    "(FP16 from the FP16 graph, INT8 from the QDQ graph): an optimization profile "
+                                    "per verify width plus a prefill profile, a timing cache reused across builds; "
+                                    "the manifest lists them with the TensorRT version and GPU (atomically).")
+    rt.add_argument("--engine", type=Path, required=True,
+                    help="engine folder exported with `target --graph portable`")
+    rt.add_argument("--precisions", type=_str_list, default=("fp16", "int8"),
+                    help="comma-separated engine precisions: fp16, int8 (default: fp16,int8)")
+    rt.add_argument("--max-context", type=int, default=2048,
+                    help="largest KV length the engines accept (default: %(default)s)")
+    rt.add_argument("--opt-context", type=int, default=512,
+                    help="KV length the kernels are tuned for (default: %(default)s)")
+    rt.add_argument("--plan", action="store_true",
+                    help="print the build plan (profiles and shapes) as JSON and stop; needs no GPU")
+    rt.add_argument("-v", "--verbose", action="store_true", help="log details")
     return parser
+
+
+def _print_plan(args) -> int:
+    import json
+
+    from dspark_edge.manifest import read_manifest
+
+    from .trt import plan_engines
+
+    if not (args.engine / "manifest.json").is_file():
+        print(f"error: {args.engine} is not an engine folder (no manifest.json)", file=sys.stderr)
+        return 2
+    plans = plan_engines(read_manifest(args.engine), args.precisions, args.max_context, args.opt_context)
+    for p in plans:
+        print(json.dumps(p.summary()))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
                 prompts=args.prompts, max_new_tokens=args.max_new_tokens, layers=args.layers, slots=args.slots,
                 draft_vocab=args.draft_vocab, markov_rank=args.markov_rank, steps=args.steps, lr=args.lr),
                 progress=progress)
+            return 0
+        if args.command == "trt":
+            if args.plan:
+                return _print_plan(args)
+            from .trt import build_engines
+
+            build_engines(args.engine, args.precisions, args.max_context, args.opt_context, progress)
             return 0
         if args.command == "drafter":
             from .drafter.install import install_drafter

@@ -60,6 +60,16 @@ class EnginePlan:
     def widths(self) -> tuple[int, ...]:
         return tuple(p.width for p in self.profiles)
 
+    def summary(self) -> dict:
+        """The plan in brief: per profile, the (min, opt, max) shape of input_ids and of every past."""
+        profiles = []
+        for p in self.profiles:
+            (ids, *pasts) = p.shapes.values()
+            profiles.append({"width": p.width or f"prefill 1..{self.prefill_max}", "input_ids": ids,
+                             "past (each of %d)" % len(pasts): pasts[0]})
+        return {"precision": self.precision, "onnx": self.onnx, "engine": self.engine,
+                "max_context": self.max_context, "profiles": profiles}
+
 
 def plan_engines(manifest: Manifest, precisions: tuple[str, ...] = TRT_PRECISIONS,
                  max_context: int = DEFAULT_MAX_CONTEXT, opt_context: int = DEFAULT_OPT_CONTEXT,
@@ -77,8 +87,9 @@ def plan_engines(manifest: Manifest, precisions: tuple[str, ...] = TRT_PRECISION
     max_context = min(max_context, m.max_position_embeddings)
     if max_context < 2:
         raise ExportError(f"max_context must be >= 2, got {max_context}")
-    if not 1 <= prefill_max < max_context:
-        raise ExportError(f"prefill_max must be in [1, {max_context - 1}], got {prefill_max}")
+    if prefill_max < 1:
+        raise ExportError(f"prefill_max must be >= 1, got {prefill_max}")
+    prefill_max = min(prefill_max, max_context - 1)
     kv = (m.num_kv_heads, m.head_dim)
     pasts = [getattr(io, k).format(layer=i) for i in range(m.num_layers) for k in ("past_key", "past_value")]
     plans = []

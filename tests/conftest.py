@@ -84,3 +84,14 @@ def tiny_draft_self(tmp_path_factory, tiny_hf, tiny_engine) -> Path:
 def tiny_draft_poor(tmp_path_factory, tiny_hf, tiny_engine) -> Path:
     """The target's first layer only: a deliberately poor drafter."""
     return _export_draft(tmp_path_factory, tiny_hf, tiny_engine, "draft-poor", 1)
+
+
+@pytest.fixture(scope="session")
+def tiny_portable(tmp_path_factory, tiny_hf) -> Path:
+    """The tiny model as a portable graph (standard operators, append KV layout): FP32, FP16, INT8 QDQ."""
+    from export import ExportOptions, export_target
+
+    out = tmp_path_factory.mktemp("tiny-portable") / "engine"
+    export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32", "fp16", "int8"),
+                                widths=TINY_WIDTHS, graph="portable"))
+    return out

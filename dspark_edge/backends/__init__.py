@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .base import BackendOptions, DecoderSession, ForwardOutput, KVCache
 
-__all__ = ["BackendOptions", "DecoderSession", "ForwardOutput", "KVCache", "create_decoder"]
+__all__ = ["BACKENDS", "BackendOptions", "DecoderSession", "ForwardOutput", "KVCache", "create_decoder"]
 
 
 BACKENDS = ("onnxruntime", "tensorrt")

@@ -161,7 +161,7 @@ class OrtDecoder:
 
     def _bind_append(self, cache: OrtKVCache, width: int) -> None:
         """Bind past to each buffer's committed prefix and the new K/V right after it."""
-        lay, io, b = self.layout, self.io, cache.binding
+        lay, b = self.layout, cache.binding
         assert lay is not None
         past_shape, new_shape = lay.past_shape(cache.length), lay.new_shape(width)
         offset = lay.new_offset(cache.length)

@@ -1,0 +1,181 @@
+"""TensorRT without a GPU: the build plan, the manifest entries, and every error path with
+TensorRT absent (this machine has only its type stubs). The GPU half runs in scripts/gpu_check.sh."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import dspark_edge
+from dspark_edge.backends.trt import check_engine_matches, require_tensorrt
+from dspark_edge.errors import BackendError, ConfigError, EngineError, ExportError, ManifestError
+from dspark_edge.manifest import Manifest, TensorRTEngine, Variant, read_manifest, write_manifest
+from export.trt import build_engines, manifest_with_engines, plan_engines
+
+from conftest import TINY_WIDTHS
+
+
+def test_plan_has_a_static_profile_per_width_and_a_prefill_profile(tiny_portable):
+    m = read_manifest(tiny_portable)
+    plans = plan_engines(m, ("fp16", "int8"), max_context=256, opt_context=64, prefill_max=32)
+    assert [p.precision for p in plans] == ["fp16", "int8"]
+    assert plans[0].onnx == "target/fp16/model.onnx" and plans[1].onnx == "target/int8/model.onnx"
+    for plan in plans:
+        assert plan.widths == (*TINY_WIDTHS, 0)
+        kv = (m.model.num_kv_heads, m.model.head_dim)
+        for prof in plan.profiles:
+            assert len(prof.shapes) == 1 + 2 * m.model.num_layers
+            lo, opt, hi = prof.shapes["input_ids"]
+            if prof.width:
+                assert lo == opt == hi == (1, prof.width)  # static new-token dimension
+                new_max = prof.width
+            else:
+                assert lo == (1, 1) and hi == (1, 32)
+                new_max = 32
+            for name in (f"past_key.{i}" for i in range(m.model.num_layers)):
+                assert prof.shapes[name] == ((1, 0, *kv), (1, 64, *kv), (1, 256 - new_max, *kv))
+        assert plan.max_context == 256 and plan.strongly_typed
+
+
+def test_plan_clamps_to_the_model_and_rejects_bad_requests(tiny_portable, tiny_engine):
+    m = read_manifest(tiny_portable)
+    assert plan_engines(m, ("fp16",), max_context=10**6)[0].max_context == m.model.max_position_embeddings
+    with pytest.raises(ExportError, match="--graph portable"):
+        plan_engines(read_manifest(tiny_engine), ("fp16",))
+    with pytest.raises(ExportError, match="must be among"):
+        plan_engines(m, ("fp32",))
+    with pytest.raises(ExportError, match="prefill_max"):
+        plan_engines(m, ("fp16",), prefill_max=0)
+    assert plan_engines(m, ("fp16",), max_context=64, prefill_max=128)[0].prefill_max == 63
+    only32 = dataclasses.replace(m, variants=tuple(v for v in m.variants if v.precision == "fp32"))
+    with pytest.raises(ExportError, match="no fp16 portable graph"):
+        plan_engines(only32, ("fp16",))
+
+
+def _fake_built_folder(src, dst):
+    """A copy of the portable folder listing two 'built' engines (placeholder bytes)."""
+    shutil.copytree(src, dst)
+    m = read_manifest(dst)
+    plans = plan_engines(m, ("fp16", "int8"), max_context=256, folder="trt-test")
+    (dst / "trt-test").mkdir()
+    for p in plans:
+        (dst / "trt-test" / f"{p.precision}.engine").write_bytes(b"not a real engine " + p.precision.encode())
+    (dst / "trt-test" / "timing.cache").write_bytes(b"cache")
+    built = {p.precision: {"tensorrt": "10.13.0", "gpu": "NVIDIA Jetson Orin", "compute_capability": "8.7"}
+             for p in plans}
+    new = manifest_with_engines(m, dst, plans, "trt-test", built, "trt-test/timing.cache")
+    write_manifest(new, dst)
+    return new
+
+
+def test_manifest_lists_engines_with_version_and_gpu(tiny_portable, tmp_path):
+    new = _fake_built_folder(tiny_portable, tmp_path / "e")
+    again = read_manifest(tmp_path / "e")  # strict round trip
+    assert again == new
+    assert [e.precision for e in new.tensorrt] == ["fp16", "int8"]
+    e = new.tensorrt[0]
+    assert e.profiles == (*TINY_WIDTHS, 0) and e.gpu == "NVIDIA Jetson Orin" and e.compute_capability == "8.7"
+    trt_variants = new.variants_for("target", "fp16", "tensorrt")
+    assert sorted(v.width for v in trt_variants) == list(TINY_WIDTHS)
+    assert {v.device for v in trt_variants} == {"gpu"} and {v.file for v in trt_variants} == {e.file}
+    # One engine (one copy of the weights) serves every width of a precision.
+    assert len({v.file for v in new.variants if v.backend == "tensorrt" and v.precision == "int8"}) == 1
+    assert new.widths("target", "fp16") == TINY_WIDTHS  # ONNX and TensorRT variants, each width once
+    assert any(f.path == "trt-test/timing.cache" for f in new.files)
+
+
+def test_manifest_rejects_inconsistent_tensorrt_entries(tiny_portable, tmp_path):
+    new = _fake_built_folder(tiny_portable, tmp_path / "e")
+    with pytest.raises(ValueError, match="tensorrt section does not describe"):
+        dataclasses.replace(new, tensorrt=())
+    narrow = dataclasses.replace(new.tensorrt[0], profiles=(1, 0))
+    with pytest.raises(ValueError, match="profiles"):
+        dataclasses.replace(new, tensorrt=(narrow, new.tensorrt[1]))
+    with pytest.raises(ValueError, match="distinct"):
+        TensorRTEngine(file="x", onnx="y", precision="fp16", profiles=(1, 1), prefill_max=8, max_context=64,
+                       tensorrt_version="10", gpu="g", compute_capability="8.7")
+    text = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    text["tensorrt"][0]["profiles"] = "1,2"
+    (tmp_path / "e" / "manifest.json").write_text(json.dumps(text))
+    with pytest.raises(ManifestError):
+        read_manifest(tmp_path / "e")
+
+
+def test_loading_a_tensorrt_engine_without_tensorrt_names_the_extra(tiny_portable, tmp_path):
+    _fake_built_folder(tiny_portable, tmp_path / "e")
+    with pytest.raises(BackendError, match=r"dspark-edge\[tensorrt\]"):
+        dspark_edge.load(tmp_path / "e", backend="tensorrt")
+    # The ONNX Runtime variants of the same folder still load and run.
+    pipe = dspark_edge.load(tmp_path / "e", "fp16")
+    assert pipe.generate("The quick", dspark_edge.GenerationConfig(max_new_tokens=4)).token_ids
+
+
+def test_tensorrt_backend_on_a_folder_without_engines_says_how_to_build(tiny_portable):
+    with pytest.raises(ConfigError, match="python -m export trt"):
+        dspark_edge.load(tiny_portable, "fp16", backend="tensorrt")
+    with pytest.raises(ConfigError, match="not supported|choose one of"):
+        dspark_edge.load(tiny_portable, "fp16", backend="openvino")
+
+
+def test_build_without_tensorrt_fails_first_and_leaves_the_folder_alone(tiny_portable, tmp_path):
+    shutil.copytree(tiny_portable, tmp_path / "e")
+    before = sorted(p.name for p in (tmp_path / "e").iterdir())
+    manifest = (tmp_path / "e" / "manifest.json").read_bytes()
+    with pytest.raises(ExportError, match=r"dspark-edge\[tensorrt\]"):
+        build_engines(tmp_path / "e", ("fp16",))
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == before
+    assert (tmp_path / "e" / "manifest.json").read_bytes() == manifest
+
+
+def test_export_trt_cli(tiny_portable, tiny_engine):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "export", "trt", *a], capture_output=True, text=True)  # noqa: E731
+    p = run("--engine", str(tiny_portable))
+    assert p.returncode == 2 and "dspark-edge[tensorrt]" in p.stderr
+    p = run("--engine", str(tiny_engine), "--plan")
+    assert p.returncode == 2 and "--graph portable" in p.stderr
+    p = run("--engine", str(tiny_portable), "--plan", "--precisions", "int8", "--max-context", "128")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    assert plan["precision"] == "int8" and plan["max_context"] == 128
+    assert [pr["width"] for pr in plan["profiles"]] == [*TINY_WIDTHS, "prefill 1..127"]
+
+
+def test_engine_must_match_tensorrt_version_and_gpu():
+    e = TensorRTEngine(file="trt/fp16.engine", onnx="target/fp16/model.onnx", precision="fp16", profiles=(1, 2, 0),
+                       prefill_max=128, max_context=2048, tensorrt_version="10.13.0.35", gpu="NVIDIA H200",
+                       compute_capability="9.0")
+    check_engine_matches(e, "10.13.3", {"gpu": "NVIDIA H200", "compute_capability": "9.0"}, "f")
+    with pytest.raises(EngineError, match="built with TensorRT 10.13.0.35, this is 10.8"):
+        check_engine_matches(e, "10.8.0", {"gpu": "NVIDIA H200", "compute_capability": "9.0"}, "f")
+    with pytest.raises(EngineError, match="compute 9.0.*Orin.*compute 8.7.*export trt"):
+        check_engine_matches(e, "10.13.0", {"gpu": "Orin", "compute_capability": "8.7"}, "f")
+
+
+def test_stub_only_tensorrt_is_reported_as_missing():
+    """tensorrt-stubs alone makes ``import tensorrt`` succeed as an empty namespace package."""
+    with pytest.raises(BackendError, match=r"type stubs are installed|not installed"):
+        require_tensorrt()
+
+
+def test_import_dspark_edge_loads_no_gpu_library():
+    code = ("import sys, dspark_edge, dspark_edge.backends, dspark_edge.pipeline; "
+            "bad = [m for m in ('tensorrt', 'cuda', 'cuda.bindings', 'onnxruntime') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_variant_device_defaults_for_old_manifests(tiny_engine):
+    m = read_manifest(tiny_engine)
+    assert {v.device for v in m.variants} == {"any"}
+    raw = json.loads(m.to_json())
+    for v in raw["variants"]:
+        v.pop("device")
+    raw.pop("tensorrt")
+    assert Manifest.from_json(json.dumps(raw)) == m
+    assert Variant(role="target", width=1, precision="fp16", backend="tensorrt", file="x").device == "any"
