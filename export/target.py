@@ -262,8 +262,9 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
             import onnx  # noqa: F401
             import onnxruntime.quantization  # noqa: F401
     except ImportError as exc:
-        raise ExportError(f"the exporter needs the export extra (onnxruntime-genai's model builder): "
-                          f"pip install 'dspark-edge[export]' ({exc})") from exc
+        need = ("dspark-edge[cpu,export,export-fused]' (onnxruntime-genai's model builder)" if options.graph == "fused"
+                else "dspark-edge[cpu,export]' or 'dspark-edge[gpu,export]'")
+        raise ExportError(f"the {options.graph} exporter needs: pip install '{need} ({exc})") from exc
     from .tokenizer import write_tokenizer
     from .validate import VALIDATION_PROMPTS, torch_reference, validate_precision
 

@@ -179,3 +179,27 @@ def test_variant_device_defaults_for_old_manifests(tiny_engine):
     raw.pop("tensorrt")
     assert Manifest.from_json(json.dumps(raw)) == m
     assert Variant(role="target", width=1, precision="fp16", backend="tensorrt", file="x").device == "any"
+
+
+def test_gpu_check_script_stops_with_what_is_missing(tmp_path):
+    """On a machine without onnxruntime-gpu / TensorRT the GPU check says what to install (exit 3)."""
+    p = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path / "out")], capture_output=True, text=True,
+                       env={**__import__("os").environ, "PYTHON": sys.executable})
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "[gpu-check]" in p.stderr and ("missing" in p.stderr or "CUDAExecutionProvider" in p.stderr)
+
+
+def test_gpu_bench_runs_interleaved_on_any_backend(tiny_portable, tmp_path):
+    """The GPU benchmark script, pointed at CPU configurations: plain vs n-gram, exact, JSON out;
+    a configuration that cannot load is reported, not hidden."""
+    out = tmp_path / "bench.json"
+    p = subprocess.run([sys.executable, "bench/gpu_bench.py", "--engine", str(tiny_portable),
+                        "--config", "cpu32=onnxruntime:fp32", "--config", "cpu8=onnxruntime:int8",
+                        "--config", "trt=tensorrt:fp16", "--limit", "2", "--max-new-tokens", "12",
+                        "--json", str(out)], capture_output=True, text=True)
+    assert p.returncode == 1  # the TensorRT configuration failed to load
+    report = json.loads(out.read_text())
+    assert set(report["configs"]) == {"cpu32", "cpu8"} and "python -m export trt" in report["errors"]["trt"]
+    for c in report["configs"].values():
+        assert c["exact_prompts"] == "2/2" and c["plain_tokens_per_s"] > 0 and c["speculative_tokens_per_s"] > 0
+    assert report["configs"]["cpu32"]["plain_vs_cpu32"] == 1.0

@@ -12,6 +12,7 @@ Logits and hidden states are written into preallocated host arrays (one set per 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -33,7 +34,32 @@ def _import_ort():
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise BackendError("onnxruntime is not installed: install dspark-edge[cpu] "
                            "(or dspark-edge[gpu] for onnxruntime-gpu, never both)") from exc
+    _check_single_build()
     return ort
+
+
+@functools.cache
+def _check_single_build() -> None:
+    """onnxruntime and onnxruntime-gpu install the same module; together, whichever was
+    installed last silently wins. Refuse to guess."""
+    builds = installed_ort_builds()
+    if len(builds) > 1:
+        raise BackendError(f"{' and '.join(builds)} are both installed and shadow each other: keep one "
+                           "(pip uninstall -y onnxruntime onnxruntime-gpu, then install dspark-edge[cpu] or "
+                           "dspark-edge[gpu])")
+
+
+def installed_ort_builds() -> list[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for dist in ("onnxruntime", "onnxruntime-gpu"):
+        try:
+            version(dist)
+            found.append(dist)
+        except PackageNotFoundError:
+            pass
+    return found
 
 
 def resolve_providers(options: BackendOptions) -> tuple[list[str], list[dict]]:
@@ -72,10 +98,27 @@ def open_session(path: str, options: BackendOptions):
     so.log_severity_level = 3
     providers, provider_options = resolve_providers(options)
     try:
-        return ort.InferenceSession(path, so, providers=providers, provider_options=provider_options)
+        session = ort.InferenceSession(path, so, providers=providers, provider_options=provider_options)
     except Exception as exc:  # onnxruntime raises several unrelated types here
         raise EngineError(f"onnxruntime could not load {path}: {exc}. The file may be truncated or "
                           "corrupted, or need a newer onnxruntime; re-export the engine folder") from exc
+    check_created_providers(providers, session.get_providers(), options.fallback_to_cpu)
+    return session
+
+
+def check_created_providers(requested: list[str], created: list[str], fallback_to_cpu: bool) -> None:
+    """onnxruntime drops a provider it cannot create (e.g. CUDA without its libraries or a GPU)
+    with only a log line and runs on what is left; make that an error, or a warning when the
+    user allowed falling back."""
+    missing = [p for p in requested if p not in created]
+    if not missing:
+        return
+    msg = (f"onnxruntime could not create {', '.join(missing)} and would run on {', '.join(created)}: check "
+           "the GPU driver and the CUDA/cuDNN (and TensorRT) libraries that onnxruntime-gpu needs")
+    if fallback_to_cpu:
+        log.warning("%s; falling back as configured", msg)
+        return
+    raise BackendError(msg + ", or allow it with fallback_to_cpu=True (--fallback-to-cpu)")
 
 
 def kv_device(providers: tuple[str, ...], options: BackendOptions) -> tuple[str, int]:
