@@ -195,10 +195,12 @@ def weight_matmuls(path: Path) -> list[str]:
 
 
 def quantize_int8(src: Path, dst: Path, sequences: list[list[int]], num_layers: int, kv_heads: int,
-                  head_dim: int, say: Callable[[str], None] = lambda m: None) -> None:
+                  head_dim: int, say: Callable[[str], None] = lambda m: None,
+                  nodes: list[str] | None = None) -> None:
     """Explicit INT8 (QDQ) copy of the FP32 portable graph: the weights of ``weight_matmuls``
     per channel and their input activations per tensor, symmetric int8 (what TensorRT's
-    explicit quantization expects), calibrated on ``sequences`` (token ids of real prompts)."""
+    explicit quantization expects), calibrated on ``sequences`` (token ids of real prompts).
+    ``nodes`` overrides which MatMuls are quantized (bench/int8_sensitivity.py compares choices)."""
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
                                           quantize_static)
 
@@ -224,7 +226,7 @@ def quantize_int8(src: Path, dst: Path, sequences: list[list[int]], num_layers: 
     say(f"      calibrating INT8 on {len(sequences)} prompts ({sum(map(len, sequences))} tokens)")
     quantize_static(str(src), str(dst), Prompts(), quant_format=QuantFormat.QDQ,
                     activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
-                    nodes_to_quantize=weight_matmuls(src), calibrate_method=CalibrationMethod.MinMax,
+                    nodes_to_quantize=weight_matmuls(src) if nodes is None else nodes, calibrate_method=CalibrationMethod.MinMax,
                     use_external_data_format=True,
                     extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
     _save_external(dst, dst)  # one weights file with a predictable name

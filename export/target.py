@@ -203,18 +203,22 @@ def _check_draft_compatible(manifest: Manifest, target_engine: Path, output: Pat
         raise ExportError(f"{exc}; nothing was written") from exc
 
 
-def calibration_sequences(hf_tok, count: int = 32) -> list[list[int]]:
-    """Token ids of real prompts (the project's prompt set, chat-formatted) for INT8 calibration."""
+def calibration_prompts(count: int = 32) -> list[list[dict]]:
+    """The first ``count`` chat prompts of the project's distillation set (INT8 calibration)."""
     import json
     from importlib.resources import files
 
     text = (files("export") / "data" / "distill_prompts.jsonl").read_text(encoding="utf-8")
+    return [json.loads(line)["messages"] for line in text.splitlines()[:count]]
+
+
+def calibration_sequences(hf_tok, count: int = 32) -> list[list[int]]:
+    """Token ids of real prompts (chat-formatted when the tokenizer has a template) for INT8 calibration."""
     seqs = []
-    for line in text.splitlines()[:count]:
-        messages = json.loads(line)["messages"]
+    for messages in calibration_prompts(count):
         if getattr(hf_tok, "chat_template", None):
             ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         else:
             ids = hf_tok(messages[-1]["content"], add_special_tokens=False)["input_ids"]
         seqs.append([int(i) for i in ids])
