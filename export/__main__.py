@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --keep-layers: distill the truncated model against the full one for this long "
                         "(CPU; the target's own answers to export/data/distill_prompts.jsonl)")
     d.add_argument("--precisions", type=_str_list, default=("fp32",),
-                   help="comma-separated precisions: fp32, int8, int4 (default: fp32)")
+                   help="comma-separated precisions: fp32, int8, int4 (fused graph); fp32, fp16, int8 (portable) "
+                        "(default: fp32)")
+    d.add_argument("--graph", choices=("fused", "portable"), default="fused",
+                   help="as for `target`: portable for GPUs / TensorRT (default: %(default)s)")
     d.add_argument("--overwrite", action="store_true", help="replace an existing engine folder (atomically)")
     d.add_argument("--no-validate", action="store_true", help="skip the comparison against PyTorch")
     d.add_argument("-v", "--verbose", action="store_true", help="log details")
@@ -102,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--blocks", type=_int_list, default=(4, 8),
                     help="block sizes = verify widths (drafts + 1) (default: 4,8)")
     dr.add_argument("--precisions", type=_str_list, default=("fp32", "int8"),
-                    help="drafter precisions: fp32, int8 (default: fp32,int8)")
+                    help="drafter precisions: fp32, int8, fp16 (GPUs) (default: fp32,int8)")
     dr.add_argument("--source", default="default", help="the target's source (for its embeddings and LM head)")
     dr.add_argument("-v", "--verbose", action="store_true", help="log details")
 
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                                     overwrite=args.overwrite, validate=not args.no_validate)
         else:
             options = ExportOptions(source=args.source, output=args.output, precisions=args.precisions,
-                                    widths=(1,), role="draft_model", keep_layers=args.keep_layers,
+                                    widths=(1,), role="draft_model", keep_layers=args.keep_layers, graph=args.graph,
                                     distill_minutes=args.distill_minutes,
                                     target_engine=args.target, overwrite=args.overwrite,
                                     validate=not args.no_validate)

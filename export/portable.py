@@ -100,15 +100,16 @@ def _decoder_module(model, hidden_layers: tuple[int, ...]):
                 x = x + att.o_proj(ctx)
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
             logits = self.lm_head(body.norm(x))
-            hid = torch.cat(hidden, dim=-1) if hidden else x[:, :, :0]
-            return (logits.float(), hid.float(), *new_kv)
+            if not hidden:  # a draft model exposes nothing
+                return (logits.float(), *new_kv)
+            return (logits.float(), torch.cat(hidden, dim=-1).float(), *new_kv)
 
     return Decoder().eval(), heads, kv_heads, head_dim
 
 
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+def io_names(num_layers: int, hidden: bool = True) -> tuple[list[str], list[str]]:
     io = PORTABLE_IO
-    ins, outs = [io.input_ids], [io.logits, io.hidden_states]
+    ins, outs = [io.input_ids], [io.logits] + ([io.hidden_states] if hidden else [])
     for i in range(num_layers):
         ins += [io.past_key.format(layer=i), io.past_value.format(layer=i)]
         outs += [io.present_key.format(layer=i), io.present_value.format(layer=i)]
@@ -135,16 +136,13 @@ def export_fp32(model, hidden_layers: tuple[int, ...], path: Path) -> None:
     check_supported(model)
     module, _, kv_heads, head_dim = _decoder_module(model, hidden_layers)
     n = model.config.num_hidden_layers
-    ins, outs = io_names(n)
+    ins, outs = io_names(n, bool(hidden_layers))
     s, past_len = 3, 5
     args = [torch.randint(0, model.config.vocab_size, (1, s), dtype=torch.int64)]
     args += [torch.randn(1, past_len, kv_heads, head_dim)] * (2 * n)
-    dyn = {PORTABLE_IO.input_ids: {1: "new_tokens"}, PORTABLE_IO.logits: {1: "new_tokens"},
-           PORTABLE_IO.hidden_states: {1: "new_tokens"}}
+    dyn = {name: {1: "new_tokens"} for name in [ins[0], *outs]}
     for name in ins[1:]:
         dyn[name] = {1: "past_length"}
-    for name in outs[2:]:
-        dyn[name] = {1: "new_tokens"}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / "traced.onnx"
     with torch.no_grad():
@@ -172,8 +170,7 @@ def convert_fp16(src: Path, dst: Path) -> None:
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     m = onnx.load(str(src))
-    keep = [PORTABLE_IO.logits, PORTABLE_IO.hidden_states]
-    # Softmax/normalisation reductions stay in float32 where the converter's default list says so.
+    keep = [o.name for o in m.graph.output if o.name in (PORTABLE_IO.logits, PORTABLE_IO.hidden_states)]
     m16 = convert_float_to_float16(m, keep_io_types=keep, disable_shape_infer=True)
     dst.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(m16, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,

@@ -179,7 +179,8 @@ def tiny_with_drafter(tmp_path_factory, tiny_hf, tiny_engine):
         target_engine=engine, output=root / "weights", work=root / "work", source=str(tiny_hf), prompts=10,
         max_new_tokens=24, layers=1, slots=3, draft_vocab=200, markov_rank=8, steps=8, seqs_per_step=4,
         anchors=6), progress=msgs.append)
-    install_drafter(engine, weights, blocks=(2, 4), source=str(tiny_hf), progress=msgs.append)
+    install_drafter(engine, weights, blocks=(2, 4), precisions=("fp32", "int8", "fp16"), source=str(tiny_hf),
+                    progress=msgs.append)
     return engine, weights, msgs
 
 
@@ -194,6 +195,9 @@ def test_train_and_install_write_a_complete_drafter(tiny_with_drafter):
     m = read_manifest(engine)
     assert m.drafter is not None and m.drafter.slots == 3
     assert m.widths("drafter", "fp32") == (2, 4) and m.widths("drafter", "int8") == (2, 4)
+    assert m.widths("drafter", "fp16") == (2, 4)
+    assert {v.precision: v.device for v in m.variants_for("drafter")} == {"fp32": "any", "int8": "any", "fp16": "gpu"}
+    assert json.loads(m.drafter.provenance["validation"])["fp16"]["max_abs_logit_diff"] < 0.05
     verify_files(m, engine)
     assert not [p for p in engine.iterdir() if p.name.startswith(".")]  # no staging left behind
 
@@ -211,7 +215,7 @@ def test_resume_after_finish_does_not_retrain(tiny_with_drafter, tiny_hf):
     assert not any(m.strip().startswith("step ") for m in msgs)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "fp16"])
 def test_dspark_speculation_is_exact_greedy(tiny_with_drafter, precision):
     import dspark_edge
 

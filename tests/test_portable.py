@@ -103,3 +103,22 @@ def test_portable_precision_rules(tmp_path, tiny_hf):
         ExportOptions(source=str(tiny_hf), output=tmp_path / "x", precisions=("int4",), graph="portable")
     with pytest.raises(ExportError, match="graph must be one of"):
         ExportOptions(source=str(tiny_hf), output=tmp_path / "x", graph="tensorrt")
+
+
+def test_portable_draft_model_drafts_for_a_portable_target(tiny_portable, tiny_hf, tmp_path):
+    """A draft model as a portable graph (no hidden-state output), FP16: exact speculation."""
+    from export import ExportOptions, export_target
+
+    out = tmp_path / "draft"
+    m = export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32", "fp16"), widths=(1,),
+                                    role="draft_model", keep_layers=2, target_engine=tiny_portable,
+                                    graph="portable"))
+    assert m.io.hidden_states is None and m.io.kv_layout == "append"
+    graph = onnx.load(str(out / "draft_model" / "fp16" / "model.onnx"), load_external_data=False)
+    assert [o.name for o in graph.graph.output][:1] == ["logits"] and "hidden_states" not in {
+        o.name for o in graph.graph.output}
+    plain = dspark_edge.load(tiny_portable, "fp32")
+    spec = dspark_edge.load(tiny_portable, "fp32", drafter=str(out))
+    want = plain.generate(PROMPT, GenerationConfig(max_new_tokens=30)).token_ids
+    got = spec.generate(PROMPT, GenerationConfig(max_new_tokens=30, draft_tokens=3))
+    assert got.token_ids == want and got.stats.draft_n > 0

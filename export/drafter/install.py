@@ -21,7 +21,7 @@ from dspark_edge.manifest import DrafterInfo, Variant, file_entry, read_manifest
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "int8")
+PRECISIONS = ("fp32", "fp16", "int8")
 
 
 def _validate(model, graph: Path, cfg, rng: np.random.Generator) -> dict:
@@ -57,7 +57,7 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
                     precisions: tuple[str, ...] = PRECISIONS, source: str = "default", progress=print) -> Path:
     from ..sources import load_source, resolve_source
     from .build import load_drafter
-    from .onnx_export import export_onnx, quantize_int8, tables
+    from .onnx_export import convert_fp16, export_onnx, quantize_int8, tables
 
     manifest = read_manifest(target_engine)
     bad = [p for p in precisions if p not in PRECISIONS]
@@ -107,6 +107,10 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
             (stage / "int8").mkdir()
             quantize_int8(stage / "fp32" / "model.onnx", stage / "int8" / "model.onnx")
             report["int8"] = _validate(model, stage / "int8" / "model.onnx", cfg, np.random.default_rng(0))
+        if "fp16" in precisions:
+            (stage / "fp16").mkdir()
+            convert_fp16(stage / "fp32" / "model.onnx", stage / "fp16" / "model.onnx")
+            report["fp16"] = _validate(model, stage / "fp16" / "model.onnx", cfg, np.random.default_rng(0))
         if "fp32" not in precisions:
             shutil.rmtree(stage / "fp32")
         np.savez(stage / "tables.npz", **tables(model))
@@ -124,7 +128,8 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
     new_files = [file_entry(target_engine, rel(p)) for p in
                  [f"{pr}/model.onnx" for pr in precisions] + ["tables.npz", "embedding.npy"]]
     variants = [v for v in manifest.variants if v.role != "drafter"] + [
-        Variant(role="drafter", width=b, precision=pr, backend="onnxruntime", file=rel(f"{pr}/model.onnx"))
+        Variant(role="drafter", width=b, precision=pr, backend="onnxruntime", file=rel(f"{pr}/model.onnx"),
+                device="gpu" if pr == "fp16" else "any")
         for pr in precisions for b in sorted(blocks)]
     training = meta["training"]
     info = DrafterInfo(kind="dspark", slots=slots, draft_vocab=cfg.draft_vocab, markov_rank=cfg.markov_rank,

@@ -1,5 +1,6 @@
 """The trained drafter to ONNX: one graph with a dynamic number of slots, listed in the
-manifest at fixed block sizes; FP32, and INT8 by dynamic quantization of its weights.
+manifest at fixed block sizes; FP32, INT8 by dynamic quantization of its weights, and FP16
+(for GPUs) by ONNX Runtime's float16 converter.
 
 Graph (per round; m new committed positions, n = anchor position, γ slots):
     inputs   features [m, F]         target features of the newly committed positions
@@ -84,6 +85,15 @@ def quantize_int8(src: Path, dst: Path) -> None:
     quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True)
 
 
+def convert_fp16(src: Path, dst: Path) -> None:
+    """FP16 weights and arithmetic (ONNX Runtime's converter) for GPUs; inputs and outputs stay
+    float32, so the runtime feeds it exactly like the FP32 graph."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    onnx.save_model(convert_float_to_float16(onnx.load(str(src)), keep_io_types=True), str(dst))
+
+
 def tables(model: DSparkDraft) -> dict[str, np.ndarray]:
     """What the runtime's sequential step needs, as FP32 arrays."""
     f = lambda t: t.detach().cpu().numpy().astype(np.float32)  # noqa: E731
@@ -102,4 +112,4 @@ def reference_round(model: DSparkDraft, features: torch.Tensor, anchor: int, n: 
         return model.base_logits(h).numpy(), h.numpy()
 
 
-__all__ = ["RoundGraph", "export_onnx", "quantize_int8", "tables", "reference_round", "io_names", "rope"]
+__all__ = ["RoundGraph", "export_onnx", "quantize_int8", "convert_fp16", "tables", "reference_round", "io_names", "rope"]
