@@ -413,10 +413,19 @@ def cmd_inspect(args) -> int:
     print(f"tokenizer  eos {list(m.tokenizer.eos_ids)}, bos {m.tokenizer.bos_id} (add_bos={m.tokenizer.add_bos}), "
           f"chat template: {'yes' if m.tokenizer.chat_template_file else 'no'}")
     print(f"hidden     layers {list(m.hidden_state_layers)} -> {m.io.hidden_states}")
+    print(f"graph      {'portable (standard operators' if m.io.kv_layout == 'append' else 'fused (ONNX Runtime'}"
+          f", KV layout {m.io.kv_layout})")
     for role in ("target", "drafter", "draft_model"):
         for p in m.precisions(role):
-            files = {v.file for v in m.variants_for(role, p)}
-            print(f"{role:<10} {p:<5} widths {list(m.widths(role, p))}  {', '.join(sorted(files))}")
+            for backend in sorted({v.backend for v in m.variants_for(role, p)}):
+                vs = m.variants_for(role, p, backend)
+                files = {v.file for v in vs}
+                gpu = "  [GPU]" if any(v.device == "gpu" for v in vs) else ""
+                print(f"{role:<10} {p:<5} {backend:<11} widths {list(m.widths(role, p, backend))}  "
+                      f"{', '.join(sorted(files))}{gpu}")
+    for e in m.tensorrt:
+        print(f"tensorrt   {e.precision:<5} {e.file}: profiles {[w or 'prefill' for w in e.profiles]}, context "
+              f"<= {e.max_context}, TensorRT {e.tensorrt_version}, built for {e.gpu} (compute {e.compute_capability})")
     for r in m.validation:
         print(f"validation {r.precision:<5} max|Δlogit| {r.max_abs_logit_diff:.2e}  greedy "
               f"{r.greedy_tokens_matched}/{r.greedy_tokens_compared}  top-1 {r.teacher_forced_top1:.0%}  "

@@ -82,3 +82,23 @@ def test_two_onnxruntime_builds_are_refused(monkeypatch):
             ort_backend._check_single_build()
     finally:
         ort_backend._check_single_build.cache_clear()
+
+
+def test_tensorrt_provider_gets_explicit_shape_ranges(tiny_portable):
+    from dspark_edge.manifest import read_manifest
+
+    m = read_manifest(tiny_portable)
+    prof = ort_backend.trt_ep_profile(m.io, m.model, capacity=256, prefill_max=128, opt_context=64)
+    kv = f"x{m.model.num_kv_heads}x{m.model.head_dim}"
+    assert prof["trt_profile_min_shapes"].startswith("input_ids:1x1,past_key.0:1x0" + kv)
+    assert prof["trt_profile_max_shapes"].startswith("input_ids:1x128,past_key.0:1x128" + kv)
+    assert prof["trt_profile_opt_shapes"].startswith("input_ids:1x1,past_key.0:1x64" + kv)
+    assert prof["trt_profile_max_shapes"].count(",") == 2 * m.model.num_layers
+    provs = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+    opts = BackendOptions(providers=provs, provider_options=({"trt_fp16_enable": "1"}, {}))
+    out = ort_backend._with_trt_profile(opts, m.io, m.model, 256)
+    assert out.provider_options[0]["trt_fp16_enable"] == "1" and "trt_profile_max_shapes" in out.provider_options[0]
+    mine = BackendOptions(providers=provs, provider_options=({"trt_profile_min_shapes": "x"}, {}))
+    assert ort_backend._with_trt_profile(mine, m.io, m.model, 256) is mine  # the user's ranges win
+    cpu = BackendOptions()
+    assert ort_backend._with_trt_profile(cpu, m.io, m.model, 256) is cpu

@@ -203,3 +203,14 @@ def test_gpu_bench_runs_interleaved_on_any_backend(tiny_portable, tmp_path):
     for c in report["configs"].values():
         assert c["exact_prompts"] == "2/2" and c["plain_tokens_per_s"] > 0 and c["speculative_tokens_per_s"] > 0
     assert report["configs"]["cpu32"]["plain_vs_cpu32"] == 1.0
+
+
+def test_inspect_lists_backends_gpu_variants_and_engines(tiny_portable, tmp_path):
+    _fake_built_folder(tiny_portable, tmp_path / "e")
+    p = subprocess.run([sys.executable, "-m", "dspark_edge", "inspect", "--engine", str(tmp_path / "e")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "portable (standard operators, KV layout append)" in p.stdout
+    assert "target     fp16  onnxruntime widths [1, 2, 3, 4]  target/fp16/model.onnx  [GPU]" in p.stdout
+    assert "target     fp16  tensorrt    widths [1, 2, 3, 4]  trt-test/fp16.engine  [GPU]" in p.stdout
+    assert "built for NVIDIA Jetson Orin (compute 8.7)" in p.stdout and "'prefill'" in p.stdout

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import replace
 
 import numpy as np
 
@@ -121,6 +122,36 @@ def check_created_providers(requested: list[str], created: list[str], fallback_t
     raise BackendError(msg + ", or allow it with fallback_to_cpu=True (--fallback-to-cpu)")
 
 
+def trt_ep_profile(io: GraphIO, model: ModelInfo, capacity: int, prefill_max: int = 128,
+                   opt_context: int = 512) -> dict[str, str]:
+    """Explicit shape ranges for ONNX Runtime's TensorRT provider on the portable graph: without
+    them it rebuilds its engine whenever the past length grows past what it has seen."""
+    new_max = max(1, min(prefill_max, capacity - 1))
+    kv = f"x{model.num_kv_heads}x{model.head_dim}"
+    pasts = [getattr(io, k).format(layer=i) for i in range(model.num_layers) for k in ("past_key", "past_value")]
+
+    def shapes(new: int, past: int) -> str:
+        return ",".join([f"{io.input_ids}:1x{new}"] + [f"{p}:1x{past}{kv}" for p in pasts])
+
+    return {"trt_profile_min_shapes": shapes(1, 0),
+            "trt_profile_opt_shapes": shapes(1, min(opt_context, capacity - new_max)),
+            "trt_profile_max_shapes": shapes(new_max, capacity - new_max)}
+
+
+def _with_trt_profile(options: BackendOptions, io: GraphIO, model: ModelInfo, capacity: int) -> BackendOptions:
+    """``options`` with explicit TensorRT-provider shape ranges added where the user gave none."""
+    name = "TensorrtExecutionProvider"
+    if name not in options.providers or io.kv_layout != "append":
+        return options
+    opts = list(options.provider_options) or [{} for _ in options.providers]
+    i = options.providers.index(name)
+    if any(k.startswith("trt_profile_") for k in opts[i]):
+        return options
+    opts[i] = {**trt_ep_profile(io, model, capacity), **opts[i]}
+    log.info("TensorRT provider: explicit shape ranges for %d-token context", capacity)
+    return replace(options, provider_options=tuple(opts))
+
+
 def kv_device(providers: tuple[str, ...], options: BackendOptions) -> tuple[str, int]:
     """(device type, device id) for the KV cache: the device of the session's first provider."""
     first = providers[0] if providers else "CPUExecutionProvider"
@@ -143,6 +174,8 @@ class OrtDecoder:
 
     def __init__(self, path: str, io: GraphIO, model: ModelInfo, options: BackendOptions,
                  hidden_width: int = 0) -> None:
+        self.capacity = min(options.max_context, model.max_position_embeddings)
+        options = _with_trt_profile(options, io, model, self.capacity)
         self.path, self.io, self.model, self.options = path, io, model, options
         self.session = open_session(path, options)
         self.providers = tuple(self.session.get_providers())
@@ -162,7 +195,6 @@ class OrtDecoder:
         self.kv_dtype = {"tensor(float)": np.float32, "tensor(float16)": np.float16}.get(kv_type)
         if self.kv_dtype is None:
             raise EngineError(f"{path}: unsupported KV cache type {kv_type}")
-        self.capacity = min(options.max_context, model.max_position_embeddings)
         self._ones = np.ones((1, self.capacity), dtype=np.int64)
         self._outputs: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
         # Output buffers are kept for these widths only (the decode widths, set by the caller):
