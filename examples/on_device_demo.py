@@ -269,6 +269,12 @@ def main() -> int:
                     help="draft verification when sampling; 'coupled' makes the answer depend on the seed alone, "
                          "so --race shows identical sampled answers")
     ap.add_argument("--plain", action="store_true", help="plain line output even on a terminal")
+    ap.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
+                    help="run the target on ONNX Runtime or on TensorRT engines (`python -m export trt`; "
+                         "default: %(default)s)")
+    ap.add_argument("--providers", default="CPUExecutionProvider",
+                    help="comma-separated onnxruntime execution providers, e.g. "
+                         "CUDAExecutionProvider,CPUExecutionProvider (default: %(default)s)")
     args = ap.parse_args()
 
     live = sys.stdout.isatty() and not args.plain
@@ -285,13 +291,16 @@ def main() -> int:
         manifest = dspark_edge.read_manifest(args.engine)
         # INT8 kernels round differently at different widths, so INT8 speculative output may drift
         # from INT8 plain output; the race compares at FP32 unless told otherwise.
-        fast = "int8" if "int8" in manifest.precisions("target") and not args.race else None
+        available = manifest.precisions("target", args.backend)
+        fast = "int8" if "int8" in available and not args.race else None
         precision = args.precision or fast
         drafter = args.drafter or ("dspark" if manifest.drafter is not None else "ngram")
         if args.race and drafter == "none":
             raise dspark_edge.ConfigError("--race compares plain and speculative decoding: give a drafter, "
                                           "not --drafter none")
-        pipe = dspark_edge.load(args.engine, precision, drafter=None if drafter == "none" else drafter)
+        options = dspark_edge.BackendOptions(providers=tuple(p for p in args.providers.split(",") if p))
+        pipe = dspark_edge.load(args.engine, precision, drafter=None if drafter == "none" else drafter,
+                                backend=args.backend, options=options)
         pipe.start_telemetry()
         if args.trace:
             trace = TraceWriter(args.trace, label=f"demo {manifest.model.name} drafter {drafter}")
