@@ -2,8 +2,8 @@
 
     python bench/gpu_bench.py --engine engines/smollm2-135m-portable --json runs/gpu_check/bench.json
 
-Each configuration is NAME=BACKEND:PRECISION[:PROVIDERS] (providers comma-separated, ONNX
-Runtime only); the defaults are ONNX Runtime CUDA FP16 and the TensorRT FP16 and INT8 engines.
+Each configuration is NAME=BACKEND:PRECISION[:PROVIDERS][@ENGINE] (providers comma-separated,
+ONNX Runtime only; @ENGINE another engine folder than --engine); the defaults are ONNX Runtime CUDA FP16 and the TensorRT FP16 and INT8 engines.
 For every prompt, every configuration runs plain and with the n-gram drafter back to back
 (greedy, exactly --max-new-tokens tokens), so the ratios come from the same minutes of the same
 machine. Prints and writes measured numbers only; "exact" counts prompts whose speculative
@@ -25,20 +25,22 @@ DEFAULT_CONFIGS = ("ort-cuda-fp16=onnxruntime:fp16:CUDAExecutionProvider",
                    "trt-fp16=tensorrt:fp16", "trt-int8=tensorrt:int8")
 
 
-def parse_config(text: str) -> tuple[str, str, str, tuple[str, ...]]:
+def parse_config(text: str) -> tuple[str, str, str, tuple[str, ...], str | None]:
     name, _, spec = text.partition("=")
+    spec, _, engine = spec.partition("@")
     parts = spec.split(":")
     if not name or len(parts) not in (2, 3):
-        raise SystemExit(f"error: --config {text!r}: expected NAME=BACKEND:PRECISION[:PROVIDERS]")
+        raise SystemExit(f"error: --config {text!r}: expected NAME=BACKEND:PRECISION[:PROVIDERS][@ENGINE]")
     providers = tuple(parts[2].split(",")) if len(parts) == 3 else ("CPUExecutionProvider",)
-    return name, parts[0], parts[1], providers
+    return name, parts[0], parts[1], providers, engine or None
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", type=Path, required=True, help="portable engine folder (with TensorRT engines)")
     ap.add_argument("--config", action="append", default=None,
-                    help="NAME=BACKEND:PRECISION[:PROVIDERS] (repeatable; default: %s)" % ", ".join(DEFAULT_CONFIGS))
+                    help="NAME=BACKEND:PRECISION[:PROVIDERS][@ENGINE] (repeatable; default: %s)"
+                    % ", ".join(DEFAULT_CONFIGS))
     ap.add_argument("--prompts", type=Path, default=None, help="prompt file (default: bench/prompts.jsonl)")
     ap.add_argument("--limit", type=int, default=6, help="prompts to use (default: %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer (default: %(default)s)")
@@ -58,15 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True, draft_tokens=args.draft_tokens)
     pipes, report = {}, {"engine": str(args.engine), "max_new_tokens": args.max_new_tokens,
                          "prompts": len(prompts), "configs": {}, "errors": {}}
-    for name, backend, precision, providers in configs:
+    for name, backend, precision, providers, engine in configs:
+        engine = engine or str(args.engine)
         try:
             t0 = time.perf_counter()
             opts = BackendOptions(providers=providers)
-            plain = dspark_edge.load(args.engine, precision, backend=backend, options=opts)
-            spec = dspark_edge.load(args.engine, precision, backend=backend, options=opts, drafter="ngram")
+            plain = dspark_edge.load(engine, precision, backend=backend, options=opts)
+            spec = dspark_edge.load(engine, precision, backend=backend, options=opts, drafter="ngram")
             pipes[name] = (plain, spec)
-            report["configs"][name] = {"backend": backend, "precision": precision, "providers": list(providers),
-                                       "load_s": round(time.perf_counter() - t0, 2)}
+            report["configs"][name] = {"engine": engine, "backend": backend, "precision": precision,
+                                       "providers": list(providers), "load_s": round(time.perf_counter() - t0, 2)}
         except DSparkError as exc:
             report["errors"][name] = str(exc)
             print(f"[gpu-bench] {name}: {exc}", file=sys.stderr)
