@@ -13,6 +13,7 @@ import pytest
 
 import dspark_edge
 from dspark_edge.backends.trt import check_engine_matches, require_tensorrt
+from dspark_edge.config import GenerationConfig
 from dspark_edge.errors import BackendError, ConfigError, EngineError, ExportError, ManifestError
 from dspark_edge.manifest import Manifest, TensorRTEngine, Variant, read_manifest, write_manifest
 from export.trt import build_engines, manifest_with_engines, plan_engines
@@ -214,3 +215,73 @@ def test_inspect_lists_backends_gpu_variants_and_engines(tiny_portable, tmp_path
     assert "target     fp16  onnxruntime widths [1, 2, 3, 4]  target/fp16/model.onnx  [GPU]" in p.stdout
     assert "target     fp16  tensorrt    widths [1, 2, 3, 4]  trt-test/fp16.engine  [GPU]" in p.stdout
     assert "built for NVIDIA Jetson Orin (compute 8.7)" in p.stdout and "'prefill'" in p.stdout
+
+
+# -- the TensorRT backend's logic on CPU stand-ins (tests/fake_trt.py) -------------------------
+
+@pytest.fixture
+def fake_trt(tiny_portable, tmp_path, monkeypatch):
+    import fake_trt
+
+    folder = tmp_path / "e"
+    shutil.copytree(tiny_portable, folder)
+    fake_trt.write_fake_engines(folder)
+    memory, engines = fake_trt.Memory(), []
+    fake_trt.install(monkeypatch, memory, engines)
+    return folder, memory, engines
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_tensorrt_backend_logic_matches_onnxruntime_on_the_same_graph(fake_trt, precision):
+    """The engine stand-in runs the very ONNX graph ONNX Runtime runs, on the shapes and addresses
+    the TensorRT backend bound: equal tokens prove the bindings, the in-place append and the
+    rollback right; speculation through it stays exact."""
+    folder, memory, engines = fake_trt
+    cfg = GenerationConfig(max_new_tokens=30)
+    prompt = "def add(a, b):\n    return a + b\n" * 6  # > the widest width: prefill profile + chunks
+    want = dspark_edge.load(folder, precision).generate(prompt, cfg).token_ids
+    plain = dspark_edge.load(folder, precision, backend="tensorrt")
+    assert plain.target.session.providers == ("TensorRT",)
+    assert plain.generate(prompt, cfg).token_ids == want
+    spec = dspark_edge.load(folder, precision, backend="tensorrt", drafter="ngram")
+    for k in (None, 1, 2, 3):
+        got = spec.generate(prompt, GenerationConfig(max_new_tokens=30, draft_tokens=k))
+        assert got.token_ids == want, k
+    assert got.stats.draft_n > 0
+    runs = [r for e in engines for r in e.runs]
+    profiles = engines[-1].plan["profiles"]
+    widths = [p["width"] for p in profiles]
+    pos_bytes = 2 * 16 * (2 if precision == "fp16" else 4)  # kv heads × head dim × item size
+    for r in runs:
+        width = widths[r["profile"]]
+        assert width == r["new"] or (width == 0 and r["new"] not in widths)  # static profile when one exists
+        assert r["new_key_offset"] == r["past"] * pos_bytes  # appended right after the committed prefix
+    assert any(widths[r["profile"]] == 0 for r in runs) and {2, 3, 4} <= {r["new"] for r in runs}
+
+
+def test_tensorrt_backend_frees_device_memory_and_checks_the_gpu(fake_trt, monkeypatch):
+    import gc
+
+    import fake_trt as fake
+
+    folder, memory, engines = fake_trt
+    pipe = dspark_edge.load(folder, "fp16", backend="tensorrt")
+    pipe.generate("The quick", GenerationConfig(max_new_tokens=4))
+    assert memory.blocks
+    del pipe
+    gc.collect()
+    assert not memory.blocks and memory.freed > 0  # KV buffers, scratch and I/O buffers all freed
+    fake.install(monkeypatch, memory, engines, gpu=("Other GPU", 9, 0))
+    with pytest.raises(EngineError, match="built for Fake GPU .*this GPU is Other GPU"):
+        dspark_edge.load(folder, "fp16", backend="tensorrt")
+    fake.install(monkeypatch, memory, engines, version="10.8.0")
+    with pytest.raises(EngineError, match="built with TensorRT 10.13.0.35, this is 10.8.0"):
+        dspark_edge.load(folder, "fp16", backend="tensorrt")
+
+
+def test_tensorrt_backend_rejects_a_corrupted_engine(fake_trt):
+    folder, _, _ = fake_trt
+    engine = next(folder.glob("trt-fake/fp16.engine"))
+    engine.write_bytes(b"x" * engine.stat().st_size)  # same size, so only deserialization can tell
+    with pytest.raises(EngineError, match="could not deserialize"):
+        dspark_edge.load(folder, "fp16", backend="tensorrt", verify_hashes=False)

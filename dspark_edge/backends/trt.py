@@ -149,6 +149,8 @@ class TrtDecoder:
                               "TensorRT/GPU): rebuild it with `python -m export trt --engine DIR`")
         self.engine: trt.ICudaEngine = engine
         self.stream = cuda_call(cudart.cudaStreamCreate(), "cudaStreamCreate")
+        self._stream_handle = int(self.stream)  # what TensorRT's calls take
+        weakref.finalize(self, cudart.cudaStreamDestroy, self.stream)
         self.memory = _DeviceMemory()
         n = self.engine.num_optimization_profiles
         if n != len(engine_info.profiles):
@@ -163,7 +165,7 @@ class TrtDecoder:
             ctx = self.engine.create_execution_context(strategy)
             if ctx is None:
                 raise BackendError(f"TensorRT could not create an execution context for {path}")
-            ctx.set_optimization_profile_async(i, self.stream)
+            ctx.set_optimization_profile_async(i, self._stream_handle)
             ctx.set_device_memory(self._scratch, scratch)
             self.contexts[width] = ctx
         self.prefill_max = engine_info.prefill_max
@@ -233,7 +235,7 @@ class TrtDecoder:
         ctx.set_tensor_address(io.logits, self._d_logits)
         if io.hidden_states:
             ctx.set_tensor_address(io.hidden_states, self._d_hidden)
-        if not ctx.execute_async_v3(self.stream):
+        if not ctx.execute_async_v3(self._stream_handle):
             raise BackendError(f"TensorRT failed running {self.path} at width {width}, past length {cache.length}")
         logits, hidden = self._output_buffers(width)
         cuda_call(cudart.cudaMemcpyAsync(logits.ctypes.data, self._d_logits, logits.nbytes, d2h, self.stream),
