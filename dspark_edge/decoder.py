@@ -56,8 +56,9 @@ class DecoderModel:
         self.options = options or BackendOptions()
         hidden_width = manifest.model.hidden_size * len(manifest.hidden_state_layers)
         engine = manifest.tensorrt_engine(self.file) if backend == "tensorrt" else None
+        qdq = manifest.io.kv_layout == "append" and precision == "int8"  # the portable INT8 graph is QDQ
         self.session = create_decoder(backend, str(Path(engine_dir) / self.file), manifest.io, manifest.model,
-                                      self.options, hidden_width, engine)
+                                      self.options, hidden_width, engine, qdq)
         self.capacity = self.session.capacity
         self.session.cached_widths = frozenset(self.widths)  # decode widths reuse their output buffers
 

@@ -12,15 +12,15 @@ BACKENDS = ("onnxruntime", "tensorrt")
 
 
 def create_decoder(backend: str, path: str, io, model, options: BackendOptions,
-                   hidden_width: int = 0, tensorrt=None) -> DecoderSession:
+                   hidden_width: int = 0, tensorrt=None, qdq: bool = False) -> DecoderSession:
     """Open a decoder graph with the named backend: "onnxruntime", or "tensorrt" (``tensorrt``
-    is the manifest's description of the engine)."""
+    is the manifest's description of the engine). ``qdq``: an explicitly quantized graph."""
     from ..errors import BackendError
 
     if backend == "onnxruntime":
         from .ort import OrtDecoder
 
-        return OrtDecoder(path, io, model, options, hidden_width)
+        return OrtDecoder(path, io, model, options, hidden_width, qdq)
     if backend == "tensorrt":
         from .trt import TrtDecoder
 

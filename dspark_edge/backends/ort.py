@@ -89,10 +89,18 @@ def resolve_providers(options: BackendOptions) -> tuple[list[str], list[dict]]:
     return chosen, chosen_opts
 
 
-def open_session(path: str, options: BackendOptions):
-    """An InferenceSession for ``path`` with the options' threads, spinning and providers."""
+def open_session(path: str, options: BackendOptions, qdq: bool = False):
+    """An InferenceSession for ``path`` with the options' threads, spinning and providers.
+
+    ``qdq``: the graph is explicitly quantized (the portable INT8 graph). On the CPU provider
+    ONNX Runtime's QDQ fusions turn it into int8 kernels that were 8x slower than FP32 for this
+    graph (428 vs 54 ms per token on the embedded default, 2-core EPYC); with them off the
+    quantize-dequantize pairs run as written (the same int8 rounding, FP32 products). INT8 speed
+    on a CPU comes from the fused graph's int8; this file's int8 is for TensorRT."""
     ort = _import_ort()
     so = ort.SessionOptions()
+    if qdq and (options.providers[:1] or ("CPUExecutionProvider",))[0] == "CPUExecutionProvider":
+        so.add_session_config_entry("session.disable_quant_qdq", "1")
     if options.intra_op_threads is not None:
         so.intra_op_num_threads = options.intra_op_threads
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.allow_spinning else "0")
@@ -173,11 +181,11 @@ class OrtDecoder:
     """A decoder graph in an ONNX Runtime session (see module docstring)."""
 
     def __init__(self, path: str, io: GraphIO, model: ModelInfo, options: BackendOptions,
-                 hidden_width: int = 0) -> None:
+                 hidden_width: int = 0, qdq: bool = False) -> None:
         self.capacity = min(options.max_context, model.max_position_embeddings)
         options = _with_trt_profile(options, io, model, self.capacity)
         self.path, self.io, self.model, self.options = path, io, model, options
-        self.session = open_session(path, options)
+        self.session = open_session(path, options, qdq)
         self.providers = tuple(self.session.get_providers())
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = {o.name for o in self.session.get_outputs()}
