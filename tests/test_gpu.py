@@ -51,6 +51,29 @@ needs_cuda = pytest.mark.skipif(not _has_cuda_provider(), reason="onnxruntime-gp
 needs_trt = pytest.mark.skipif(not _has_tensorrt(), reason="TensorRT or a CUDA GPU is not available")
 
 
+# GPU kernels differ by width (GEMV vs GEMM tiles, TensorRT's per-profile tactics), so at FP16 and
+# INT8 a verify pass can round a near-tie the other way than a width-1 pass. Speculation is exact
+# relative to the width it verifies at; the check: tokens equal, or the first difference sits at
+# a near-tie of the plain run (top-2 logit margin below this), where either token is the target's.
+NEAR_TIE = {"fp32": 0.0, "fp16": 0.1, "int8": 0.5}
+
+
+def _assert_exact_or_near_tie(plain, prompt, want, got, precision):
+    if got == want:
+        return
+    pos = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
+    model = plain.target
+    cache = model.new_cache()
+    out = model.prefill(cache, np.asarray(plain.encode_prompt(prompt), dtype=np.int64))
+    for tok in want[:pos]:
+        out = model.step(cache, np.array([tok], dtype=np.int64))
+        cache.commit(1)
+    logits = out.logits[-1]
+    margin = float(logits[want[pos]] - logits[got[pos]])
+    assert margin <= NEAR_TIE[precision], (f"{precision}: speculative output differs at {pos} where the plain "
+                                           f"token leads by {margin:.3f} logits")
+
+
 @needs_engine
 @needs_cuda
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
@@ -62,20 +85,21 @@ def test_ort_cuda_keeps_the_cache_on_the_gpu_and_is_exact(precision):
     for prompt in PROMPTS:
         want = plain.generate(prompt, GenerationConfig(max_new_tokens=48)).token_ids
         for k in (None, 3, 7):
-            assert spec.generate(prompt, GenerationConfig(max_new_tokens=48, draft_tokens=k)).token_ids == want
+            got = spec.generate(prompt, GenerationConfig(max_new_tokens=48, draft_tokens=k)).token_ids
+            _assert_exact_or_near_tie(plain, prompt, want, got, precision)
 
 
 @needs_engine
 @needs_trt
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
-def test_tensorrt_speculation_is_exact(precision):
+def test_tensorrt_speculation_is_exact_up_to_kernel_rounding(precision):
     plain = dspark_edge.load(ENGINE, precision, backend="tensorrt")
     spec = dspark_edge.load(ENGINE, precision, backend="tensorrt", drafter="ngram")
     for prompt in PROMPTS:
         want = plain.generate(prompt, GenerationConfig(max_new_tokens=48)).token_ids
         for k in (None, 1, 3, 7):
             got = spec.generate(prompt, GenerationConfig(max_new_tokens=48, draft_tokens=k))
-            assert got.token_ids == want, (prompt, k)
+            _assert_exact_or_near_tie(plain, prompt, want, got.token_ids, precision)
 
 
 @needs_engine
