@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(precisions=("fp64",)), "unsupported target precision"),
+    (dict(precisions=("fp64",)), "unsupported precision"),
     (dict(precisions=()), "precisions is empty"),
     (dict(widths=(2, 4)), "must include 1"),
     (dict(widths=(1, 0)), r"widths must be integers in \[1, 64\]"),
