@@ -115,7 +115,10 @@ class FakeEngine:
         import onnxruntime as ort
 
         self.plan, self.memory, self.runs = plan, memory, []
-        self.session = ort.InferenceSession(plan["onnx_path"], providers=["CPUExecutionProvider"])
+        so = ort.SessionOptions()
+        if plan["precision"] == "int8":  # as the runtime opens a QDQ graph on the CPU provider
+            so.add_session_config_entry("session.disable_quant_qdq", "1")
+        self.session = ort.InferenceSession(plan["onnx_path"], so, providers=["CPUExecutionProvider"])
         kv = next(i for i in self.session.get_inputs() if i.name.startswith("past_"))
         self.kv_type = "HALF" if kv.type == "tensor(float16)" else "FLOAT"
 
@@ -181,7 +184,7 @@ def write_fake_engines(folder: Path, precisions=("fp16", "int8"), max_context: i
     plans = plan_engines(m, precisions, max_context=max_context, folder="trt-fake")
     (folder / "trt-fake").mkdir()
     for p in plans:
-        plan = {"onnx_path": str(folder / p.onnx),
+        plan = {"onnx_path": str(folder / p.onnx), "precision": p.precision,
                 "profiles": [{"width": pr.width, "shapes": {k: [list(x) for x in v] for k, v in pr.shapes.items()}}
                              for pr in p.profiles]}
         (folder / "trt-fake" / f"{p.precision}.engine").write_text(json.dumps(plan))
