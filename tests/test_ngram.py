@@ -88,7 +88,7 @@ def test_confidence_is_learned_per_match_length():
     d.begin(short_ctx)
     prior_short = d.propose(DraftRequest(short_ctx, 4, 0.0, 0, 1.0), rng).confidence
     assert prior_long[0] > prior_short[0]  # priors rise with the match length
-    d = NgramDrafter(min_n=1, max_n=4, max_tokens=4, momentum=False)
+    d = NgramDrafter(min_n=1, max_n=4, max_tokens=4)
     d.begin([0])
     for _ in range(10):
         d.propose(DraftRequest(long_ctx, 4, 0.0, 0, 1.0), rng)
@@ -98,27 +98,3 @@ def test_confidence_is_learned_per_match_length():
     long_c = d.propose(DraftRequest(long_ctx, 4, 0.0, 0, 1.0), rng).confidence
     short_c = d.propose(DraftRequest(short_ctx, 4, 0.0, 0, 1.0), rng).confidence
     assert long_c[0] > 0.9 and short_c[0] < 0.1
-
-
-def test_momentum_separates_rounds_after_a_full_acceptance():
-    """Drafts after a round accepted whole and drafts after a miss are tracked apart: in a
-    copied stretch the next copy is trusted more, after a miss less."""
-    ctx = [5, 6, 7, 8, 9, 5, 6, 7, 8]
-    rng = np.random.default_rng(0)
-    d = NgramDrafter(min_n=1, max_n=4, max_tokens=4)
-    d.begin(ctx)
-    for i in range(20):
-        d.propose(DraftRequest(ctx, 4, 0.0, 0, 1.0), rng)
-        hit = i % 2 == 1  # alternating: every round after a miss is a hit and vice versa
-        d.feedback(4, 4 if hit else 0, ctx)
-    after_hit = d.propose(DraftRequest(ctx, 4, 0.0, 0, 1.0), rng).confidence  # last round was a hit
-    d.feedback(4, 0, ctx)
-    after_miss = d.propose(DraftRequest(ctx, 4, 0.0, 0, 1.0), rng).confidence
-    assert after_hit[0] < 0.2 and after_miss[0] > 0.8  # what followed each state, learned
-    flat = NgramDrafter(min_n=1, max_n=4, max_tokens=4, momentum=False)
-    flat.begin(ctx)
-    for i in range(20):
-        flat.propose(DraftRequest(ctx, 4, 0.0, 0, 1.0), rng)
-        flat.feedback(4, 4 if i % 2 else 0, ctx)
-    c = flat.propose(DraftRequest(ctx, 4, 0.0, 0, 1.0), rng).confidence
-    assert 0.3 < c[0] < 0.7  # without momentum only the average is known

@@ -8,9 +8,7 @@ the context; memory grows linearly with it.
 
 The confidence of each draft is the observed per-position acceptance of drafts that came
 from a match of the same length: a 4-token match is far more often right than a 1-token
-one, and the scheduler can only pick a good width if the confidence tells them apart. With
-``momentum`` the statistics are also split by whether the previous drafted round was accepted
-whole: inside a copied stretch the next copy is far more likely right than after a miss.
+one, and the scheduler can only pick a good width if the confidence tells them apart.
 """
 
 from __future__ import annotations
@@ -28,14 +26,12 @@ class NgramDrafter:
     needs_hidden = False
 
     def __init__(self, min_n: int = 1, max_n: int = 4, max_tokens: int = 8,
-                 learn_across_generations: bool = False, momentum: bool = True) -> None:
+                 learn_across_generations: bool = False) -> None:
         if not 1 <= min_n <= max_n:
             raise ConfigError(f"n-gram sizes need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
         self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
-        self.momentum = momentum
-        self._streak = False  # the previous drafted round was accepted whole
         # Acceptance statistics shape the draft length, and with it how the random stream is
         # consumed: kept per generation by default so a seed reproduces its output.
         self.learn_across_generations = learn_across_generations
@@ -45,20 +41,15 @@ class NgramDrafter:
         self._index: dict[int, dict[tuple[int, ...], int]] = {}
         self._indexed = 0  # n-grams ending before this position are indexed
 
-    def _new_stats(self) -> dict[tuple[int, bool], AcceptanceTracker]:
-        # Priors rise with the match length (0.25 for one token … 0.7 for four and more), and
-        # after a round accepted whole.
-        return {(n, streak): AcceptanceTracker(prior=min(0.85, 0.25 + 0.15 * (n - 1) + (0.15 if streak else 0.0)))
-                for n in range(self.min_n, self.max_n + 1) for streak in (False, True)}
-
-    def _key(self, n: int) -> tuple[int, bool]:
-        return n, self._streak and self.momentum
+    def _new_stats(self) -> dict[int, AcceptanceTracker]:
+        # Priors rise with the match length (0.25 for one token … 0.7 for four and more).
+        return {n: AcceptanceTracker(prior=min(0.7, 0.25 + 0.15 * (n - 1)))
+                for n in range(self.min_n, self.max_n + 1)}
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         if not self.learn_across_generations:
             self.stats = self._new_stats()
         self._last_n = None
-        self._streak = False
         self._ctx = []
         self._index = {n: {} for n in range(self.min_n, self.max_n + 1)}
         self._indexed = 0
@@ -96,11 +87,10 @@ class NgramDrafter:
                     pos = start + i
                     out.append(ctx[pos] if pos < len(ctx) else out[pos - len(ctx)])
                 self._last_n = n
-                return Draft(np.asarray(out, dtype=np.int64), None, self.stats[self._key(n)].confidence(k))
+                return Draft(np.asarray(out, dtype=np.int64), None, self.stats[n].confidence(k))
         self._last_n = None
         return Draft.empty()
 
     def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:
         if drafted and self._last_n is not None:
-            self.stats[self._key(self._last_n)].update(drafted, accepted)
-            self._streak = accepted >= drafted
+            self.stats[self._last_n].update(drafted, accepted)
