@@ -136,7 +136,9 @@ class CostModel:
     """Round cost (ms) per verify width: the profile's curve (made non-decreasing) times an
     online correction, the median ratio observed/profiled of the last few rounds at that width
     (the median over all widths until a width has its own), so a busy or throttled device shows
-    within a few rounds."""
+    within a few rounds. The corrected curve is made non-decreasing again: per-width corrections
+    come from different moments (a rarely used width keeps an older one), and a width that looks
+    dearer than the next wider one would stop the scheduler's upward scan early."""
 
     def __init__(self, verify_ms: dict[int, float], draft_ms: float, window: int = 12, min_obs: int = 3) -> None:
         self.verify_ms, self.draft_ms = monotone(verify_ms), float(draft_ms)
@@ -145,6 +147,7 @@ class CostModel:
         self.min_obs = min_obs
         self._corr: dict[int, float] = {}
         self._global = 1.0
+        self._verify = dict(self.verify_ms)  # the corrected, non-decreasing curve
 
     def correction(self, width: int) -> float:
         """Cached: recomputed only when a round is observed."""
@@ -155,9 +158,10 @@ class CostModel:
         if own is not None and len(own) >= self.min_obs:
             self._corr[width] = float(np.median(own))
         self._global = float(np.median(self.all_ratios)) if self.all_ratios else 1.0
+        self._verify = monotone({w: v * self.correction(w) for w, v in self.verify_ms.items()})
 
     def verify(self, width: int) -> float:
-        return self.verify_ms[width] * self.correction(width)
+        return self._verify[width]
 
     def round(self, width: int, drafting: bool = True) -> float:
         return self.verify(width) + (self.draft_ms if drafting else 0.0)

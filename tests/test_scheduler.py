@@ -232,3 +232,21 @@ def test_cost_curve_is_made_non_decreasing():
         {1: 37.2, 2: 40.0, 3: 44.1, 4: 44.1, 6: 47.3, 8: 62.4})
     assert monotone(CURVE) == CURVE  # already monotone: unchanged
     assert monotone({1: 50.0, 2: 30.0, 4: 10.0}) == pytest.approx({1: 30.0, 2: 30.0, 4: 30.0})
+
+
+def test_corrected_cost_curve_stays_non_decreasing():
+    """A width corrected upwards (an old, slow observation) never looks dearer than a wider one:
+    the scan stops at the first non-improving width, so such a dip would hide the wider ones."""
+    cm = CostModel(CURVE, 0.1, window=8, min_obs=3)
+    for _ in range(3):
+        cm.observe(2, CURVE[2] * 1.5)  # width 2 seen while the machine was busy
+    for w in (1, 3, 4):
+        for _ in range(3):
+            cm.observe(w, CURVE[w])
+    costs = [cm.verify(w) for w in sorted(CURVE)]
+    assert costs == sorted(costs)
+    assert cm.verify(2) <= cm.verify(3) and cm.verify(2) > CURVE[2]  # pooled, still above the profile
+    conf = np.array([0.5, 0.9, 0.9])
+    raw = {w: CURVE[w] * cm.correction(w) + 0.1 for w in CURVE}  # per-width corrections, not pooled
+    assert choose_width(conf, WIDTHS, lambda w: raw[w])[0] == 1  # width 2's dip in value hides 3 and 4
+    assert choose_width(conf, WIDTHS, cm.round)[0] == 4
