@@ -208,7 +208,9 @@ def build_engines(engine_dir: Path, precisions: tuple[str, ...] = TRT_PRECISIONS
     manifest = read_manifest(engine_dir)
     verify_files(manifest, engine_dir, check_hashes=False)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    folder = f"trt-{stamp}"
+    folder, n = f"trt-{stamp}", 1
+    while (engine_dir / folder).exists():  # never overwrite what the manifest may list
+        folder, n = f"trt-{stamp}-{n}", n + 1
     plans = plan_engines(manifest, precisions, max_context, opt_context, folder=folder)
     _require_tensorrt()  # fail before any work
     old_cache = next((engine_dir / e.timing_cache for e in manifest.tensorrt if e.timing_cache), None)

@@ -136,11 +136,82 @@ class FakeEngine:
         return self.kv_type
 
 
+class FakeBuilder:
+    """Records what ``export trt`` asks for; "builds" a JSON plan the fake runtime can run."""
+
+    log: list = []
+    fail = False
+
+    def __init__(self, logger) -> None:
+        self.record = {"profiles": []}
+        FakeBuilder.log.append(self.record)
+
+    def create_network(self, flags: int):
+        self.record["flags"] = flags
+        return types.SimpleNamespace(path=None)
+
+    def create_builder_config(self):
+        builder = self
+
+        class Config:
+            def set_memory_pool_limit(self, pool, size):
+                builder.record["workspace"] = size
+
+            def create_timing_cache(self, data: bytes):
+                builder.record["timing_cache_in"] = bytes(data)
+                return types.SimpleNamespace(serialize=lambda: b"cache:" + bytes(data)[:16])
+
+            def set_timing_cache(self, cache, ignore_mismatch):
+                self.cache = cache
+                return True
+
+            def get_timing_cache(self):
+                return self.cache
+
+            def add_optimization_profile(self, profile):
+                builder.record["profiles"].append(profile.shapes)
+                return len(builder.record["profiles"]) - 1
+
+        return Config()
+
+    def create_optimization_profile(self):
+        class Profile:
+            def __init__(self) -> None:
+                self.shapes: dict = {}
+
+            def set_shape(self, name, lo, opt, hi):
+                self.shapes[name] = [list(lo), list(opt), list(hi)]
+
+        return Profile()
+
+    def build_serialized_network(self, network, config):
+        if FakeBuilder.fail:
+            return None
+        onnx_path = self.record["onnx"]
+        precision = Path(onnx_path).parent.name
+        profiles = [{"width": 0, "shapes": p} for p in self.record["profiles"]]
+        return json.dumps({"onnx_path": onnx_path, "precision": precision, "profiles": profiles}).encode()
+
+
+class FakeParser:
+    def __init__(self, network, logger) -> None:
+        self.num_errors = 0
+
+    def parse_from_file(self, path: str) -> bool:
+        FakeBuilder.log[-1]["onnx"] = path
+        return Path(path).is_file()
+
+
 def install(monkeypatch, memory: Memory, engines: list, version: str = "10.13.0.35", gpu=("Fake GPU", 8, 7)):
     """Put fake ``tensorrt`` and ``cuda.bindings.runtime`` modules in sys.modules."""
     trt = types.ModuleType("tensorrt")
     trt.__version__ = version
-    trt.Builder = object  # present in real TensorRT, absent from the stubs-only namespace package
+    FakeBuilder.log, FakeBuilder.fail = [], False
+    trt.Builder = FakeBuilder  # present in real TensorRT, absent from the stubs-only namespace package
+    trt.OnnxParser = FakeParser
+    trt.Dims = list
+    trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=1)
+    trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE="workspace")
     trt.DataType = types.SimpleNamespace(HALF="HALF", FLOAT="FLOAT")
     trt.ExecutionContextAllocationStrategy = types.SimpleNamespace(USER_MANAGED="user")
 

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -285,3 +286,45 @@ def test_tensorrt_backend_rejects_a_corrupted_engine(fake_trt):
     engine.write_bytes(b"x" * engine.stat().st_size)  # same size, so only deserialization can tell
     with pytest.raises(EngineError, match="could not deserialize"):
         dspark_edge.load(folder, "fp16", backend="tensorrt", verify_hashes=False)
+
+
+def test_export_trt_builds_lists_and_runs_engines(tiny_portable, tmp_path, monkeypatch):
+    """``export trt`` end to end on the stand-ins: what it asks the builder for, the manifest and
+    files it writes, engines the backend then runs exactly, a rebuild that reuses the timing
+    cache and replaces the old engines, and a failed build that leaves everything as it was."""
+    import fake_trt
+    from dspark_edge.manifest import verify_files
+
+    folder = tmp_path / "e"
+    shutil.copytree(tiny_portable, folder)
+    memory, engines = fake_trt.Memory(), []
+    fake_trt.install(monkeypatch, memory, engines)
+    msgs = []
+    m = build_engines(folder, ("fp16", "int8"), max_context=256, opt_context=64, progress=msgs.append)
+    assert [e.precision for e in m.tensorrt] == ["fp16", "int8"] and read_manifest(folder) == m
+    verify_files(m, folder)  # engines and timing cache listed with their sha256
+    builds = fake_trt.FakeBuilder.log
+    assert [Path(b["onnx"]).relative_to(folder).as_posix() for b in builds] == \
+        ["target/fp16/model.onnx", "target/int8/model.onnx"]
+    assert all(b["flags"] == 1 << 1 for b in builds)  # strongly typed, no precision flags
+    ids = [p["input_ids"] for p in builds[0]["profiles"]]
+    assert ids[:len(TINY_WIDTHS)] == [[[1, w], [1, w], [1, w]] for w in TINY_WIDTHS]  # static per width
+    assert ids[-1][0] == [1, 1] and ids[-1][2] == [1, 128]  # the prefill profile
+    assert any("building the fp16 TensorRT engine" in x for x in msgs)
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]
+    cfg = GenerationConfig(max_new_tokens=20)
+    want = dspark_edge.load(folder, "fp16").generate("The quick brown fox", cfg).token_ids
+    spec = dspark_edge.load(folder, "fp16", backend="tensorrt", drafter="ngram")
+    assert spec.generate("The quick brown fox", cfg).token_ids == want
+    old = m.tensorrt[0].file.split("/")[0]
+    m2 = build_engines(folder, ("fp16",), max_context=256)
+    assert fake_trt.FakeBuilder.log[-1]["timing_cache_in"].startswith(b"cache:")  # the earlier cache reused
+    assert not (folder / old).exists() and [e.precision for e in m2.tensorrt] == ["fp16"]
+    assert not m2.variants_for("target", "int8", "tensorrt")
+    before = (folder / "manifest.json").read_bytes()
+    fake_trt.FakeBuilder.fail = True
+    with pytest.raises(ExportError, match="failed to build"):
+        build_engines(folder, ("fp16",), max_context=256)
+    assert (folder / "manifest.json").read_bytes() == before
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]
+    verify_files(read_manifest(folder), folder)
