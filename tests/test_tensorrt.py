@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import dspark_edge
@@ -328,3 +329,32 @@ def test_export_trt_builds_lists_and_runs_engines(tiny_portable, tmp_path, monke
     assert (folder / "manifest.json").read_bytes() == before
     assert not [p for p in folder.iterdir() if p.name.startswith(".")]
     verify_files(read_manifest(folder), folder)
+
+
+def test_tensorrt_prompt_chunk_near_the_end_of_the_context_is_split(tiny_portable, tmp_path, monkeypatch):
+    """The prefill profile covers past ≤ max_context − prefill_max; a chunk later than that runs
+    as consecutive static-width pieces, each reading the K/V the previous one wrote in place."""
+    import fake_trt
+    from dspark_edge.decoder import DecoderModel
+
+    folder = tmp_path / "e"
+    shutil.copytree(tiny_portable, folder)
+    fake_trt.write_fake_engines(folder, ("fp16",), max_context=64)  # prefill profile: past ≤ 1
+    memory, engines = fake_trt.Memory(), []
+    fake_trt.install(monkeypatch, memory, engines)
+    m = read_manifest(folder)
+    assert m.tensorrt[0].prefill_max == 63
+    trt_model = DecoderModel(m, folder, "fp16", backend="tensorrt")
+    ort_model = DecoderModel(m, folder, "fp16")
+    ids = np.arange(5, 5 + 30, dtype=np.int64)
+    outs = []
+    for model in (trt_model, ort_model):
+        cache = model.new_cache()
+        model.prefill(cache, ids[:10])
+        out = model.session.forward(cache, ids[10:21])  # 11 tokens at past 10: pieces 4+4+3
+        outs.append(out.logits.copy())
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-3)
+    runs = engines[-1].runs[-3:]
+    assert [(r["new"], r["past"]) for r in runs] == [(4, 10), (4, 14), (3, 18)]
+    with pytest.raises(BackendError, match="at most 63"):
+        trt_model.session.forward(trt_model.new_cache(), np.zeros(64, dtype=np.int64))

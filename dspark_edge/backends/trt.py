@@ -176,7 +176,7 @@ class TrtDecoder:
             raise EngineError(f"{path}: unsupported KV cache type {kv_type}")
         self.layout = AppendLayout(self.capacity, model.num_kv_heads, model.head_dim, itemsize)
         self._hidden_width = hidden_width if io.hidden_states else 0
-        widest = max(self.prefill_max, *engine_info.profiles)
+        widest = self._widest = max(self.prefill_max, *engine_info.profiles)
         self._d_ids = self.memory.alloc(widest * 8, "input ids")
         self._d_logits = self.memory.alloc(widest * model.vocab_size * 4, "logits")
         self._d_hidden = self.memory.alloc(widest * max(1, self._hidden_width) * 4, "hidden states")
@@ -207,36 +207,64 @@ class TrtDecoder:
                 self._outputs[width] = bufs
         return bufs
 
-    def _context(self, width: int) -> trt.IExecutionContext:
-        ctx = self.contexts.get(width)
-        if ctx is None:
-            if width > self.prefill_max:
-                raise BackendError(f"{width} new tokens exceed the engine's prefill profile (at most "
-                                   f"{self.prefill_max}); rebuild with a larger prefill or prefill in chunks")
-            ctx = self.contexts[0]
-        return ctx
+    def _pieces(self, length: int, width: int) -> list[tuple[int, int]]:
+        """(profile width, new tokens) runs covering ``width`` tokens after ``length``: one run at
+        the width's own static profile, or the prefill profile while its past range allows
+        (past ≤ max_context − prefill_max); otherwise (a prompt chunk near the end of the
+        context) consecutive runs at the widest static profiles that fit."""
+        if width in self.contexts:
+            return [(width, width)]
+        if width <= self.prefill_max and length + self.prefill_max <= self.info.max_context:
+            return [(0, width)]
+        statics = sorted((w for w in self.contexts if w), reverse=True)
+        pieces, done = [], 0
+        while done < width:
+            rest = width - done
+            if rest <= self.prefill_max and length + done + self.prefill_max <= self.info.max_context:
+                pieces.append((0, rest))
+                break
+            w = next(w for w in statics if w <= rest)  # width 1 is always listed
+            pieces.append((w, w))
+            done += w
+        return pieces
+
+    def _run(self, profile: int, ids: np.ndarray, length: int, pointers: list[int], row: int) -> None:
+        """One execution: ``ids`` after ``length`` positions; logits/hidden land at ``row``."""
+        cudart, io, lay = self._cudart, self.io, self.layout
+        ctx, width = self.contexts[profile], int(ids.shape[0])
+        h2d = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+        cuda_call(cudart.cudaMemcpyAsync(self._d_ids, ids.ctypes.data, ids.nbytes, h2d, self.stream), "copy ids")
+        shapes = [(io.input_ids, (1, width))] + [(past, tuple(lay.past_shape(length))) for past, _ in self._names]
+        for name, shape in shapes:
+            if not ctx.set_input_shape(name, shape):
+                raise BackendError(f"{self.path}: shape {shape} of {name} is outside the engine's profile; "
+                                   "rebuild with `python -m export trt` for this context size")
+        ctx.set_tensor_address(io.input_ids, self._d_ids)
+        offset = lay.new_offset(length)
+        for (past, new), ptr in zip(self._names, pointers):
+            ctx.set_tensor_address(past, ptr)
+            ctx.set_tensor_address(new, ptr + offset)
+        ctx.set_tensor_address(io.logits, self._d_logits + row * self.model.vocab_size * 4)
+        if io.hidden_states:
+            ctx.set_tensor_address(io.hidden_states, self._d_hidden + row * self._hidden_width * 4)
+        if not ctx.execute_async_v3(self._stream_handle):
+            raise BackendError(f"TensorRT failed running {self.path} at width {width}, past length {length}")
 
     def forward(self, cache: TrtKVCache, ids: np.ndarray) -> ForwardOutput:
         """Run ``ids`` ([S] int64) after ``cache.length`` committed positions (nothing is committed)."""
         width = int(ids.shape[0])
         self.layout.check(cache.length, width)
-        cudart, io, lay = self._cudart, self.io, self.layout
-        ctx = self._context(width)
+        if width > self._widest:
+            raise BackendError(f"{width} new tokens in one call; this engine takes at most {self._widest} "
+                               "(DecoderModel.prefill chunks prompts to fit)")
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        h2d, d2h = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        cuda_call(cudart.cudaMemcpyAsync(self._d_ids, ids.ctypes.data, ids.nbytes, h2d, self.stream), "copy ids")
-        ctx.set_input_shape(io.input_ids, (1, width))
-        ctx.set_tensor_address(io.input_ids, self._d_ids)
-        past_shape, offset = tuple(lay.past_shape(cache.length)), lay.new_offset(cache.length)
-        for (past, new), ptr in zip(self._names, cache.pointers):
-            ctx.set_input_shape(past, past_shape)
-            ctx.set_tensor_address(past, ptr)
-            ctx.set_tensor_address(new, ptr + offset)
-        ctx.set_tensor_address(io.logits, self._d_logits)
-        if io.hidden_states:
-            ctx.set_tensor_address(io.hidden_states, self._d_hidden)
-        if not ctx.execute_async_v3(self._stream_handle):
-            raise BackendError(f"TensorRT failed running {self.path} at width {width}, past length {cache.length}")
+        done = 0
+        for profile, n in self._pieces(cache.length, width):
+            # Each piece's K/V is written in place, so the next piece reads it as past.
+            self._run(profile, ids[done:done + n], cache.length + done, cache.pointers, done)
+            done += n
+        cudart = self._cudart
+        d2h = cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
         logits, hidden = self._output_buffers(width)
         cuda_call(cudart.cudaMemcpyAsync(logits.ctypes.data, self._d_logits, logits.nbytes, d2h, self.stream),
                   "copy logits")
