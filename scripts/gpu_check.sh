@@ -73,28 +73,7 @@ if [ "${status[export]}" = 0 ]; then
   step bench "$py" bench/gpu_bench.py --engine "$engine" --json "$out/bench.json" --limit 6 --max-new-tokens 64
 fi
 
-export GPU_CHECK_OUT=$out GPU_CHECK_ENGINE=$engine GPU_CHECK_SECONDS=$(( $(date +%s) - t_start ))
-export GPU_CHECK_STEPS=$(for k in "${!status[@]}"; do printf '%s=%s:%s ' "$k" "${status[$k]}" "${took[$k]}"; done)
-"$py" - <<'EOF'
-import json, os, pathlib, xml.etree.ElementTree as ET
-out = pathlib.Path(os.environ["GPU_CHECK_OUT"])
-steps = {}
-for item in os.environ["GPU_CHECK_STEPS"].split():
-    name, _, rest = item.partition("=")
-    code, _, secs = rest.partition(":")
-    steps[name] = {"exit": int(code), "seconds": int(secs)}
-summary = {"engine": os.environ["GPU_CHECK_ENGINE"], "seconds": int(os.environ["GPU_CHECK_SECONDS"]), "steps": steps,
-           "gpu": (out / "gpu.csv").read_text().strip() if (out / "gpu.csv").exists() else None}
-if (out / "gpu_tests.xml").exists():
-    suite = ET.parse(out / "gpu_tests.xml").getroot().find("testsuite")
-    summary["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-if (out / "bench.json").exists():
-    summary["bench"] = json.loads((out / "bench.json").read_text())["configs"]
-man = pathlib.Path(os.environ["GPU_CHECK_ENGINE"]) / "manifest.json"
-if man.exists():
-    summary["engines"] = json.loads(man.read_text()).get("tensorrt", [])
-(out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-print(json.dumps(summary, indent=1))
-EOF
-for k in "${!status[@]}"; do [ "${status[$k]}" = 0 ] || exit 1; done
-exit 0
+steps=()
+for k in "${!status[@]}"; do steps+=(--step "$k=${status[$k]}:${took[$k]}"); done
+"$py" bench/gpu_summary.py --out "$out" --engine "$engine" --seconds $(( $(date +%s) - t_start )) "${steps[@]}"
+exit $?

@@ -358,3 +358,31 @@ def test_tensorrt_prompt_chunk_near_the_end_of_the_context_is_split(tiny_portabl
     assert [(r["new"], r["past"]) for r in runs] == [(4, 10), (4, 14), (3, 18)]
     with pytest.raises(BackendError, match="at most 63"):
         trt_model.session.forward(trt_model.new_cache(), np.zeros(64, dtype=np.int64))
+
+
+def test_gpu_check_summary(tiny_portable, tmp_path):
+    """What scripts/gpu_check.sh writes at the end, from its steps and the files they left."""
+    import fake_trt
+
+    engine = tmp_path / "e"
+    shutil.copytree(tiny_portable, engine)
+    fake_trt.write_fake_engines(engine, ("fp16",))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "gpu.csv").write_text("name, driver_version, memory.total [MiB]\nNVIDIA H200, 570.1, 143771 MiB\n")
+    (out / "gpu_tests.xml").write_text('<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="7" '
+                                       'failures="0" errors="0" skipped="1"/></testsuites>')
+    (out / "bench.json").write_text(json.dumps({"configs": {"trt-fp16": {"speedup": 1.4}}, "errors": {}}))
+    run = lambda *steps: subprocess.run(  # noqa: E731
+        [sys.executable, "bench/gpu_summary.py", "--out", str(out), "--engine", str(engine), "--seconds", "300",
+         *[a for s in steps for a in ("--step", s)]], capture_output=True, text=True)
+    p = run("export=0:90", "trt=0:120", "tests=0:60", "bench=0:30")
+    assert p.returncode == 0, p.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["passed"] and summary["tests"] == {"tests": 7, "failures": 0, "errors": 0, "skipped": 1}
+    assert summary["steps"]["trt"] == {"exit": 0, "seconds": 120} and "H200" in summary["gpu"]
+    assert summary["bench"]["trt-fp16"]["speedup"] == 1.4 and summary["engines"][0]["precision"] == "fp16"
+    assert run("export=0:90", "trt=1:5").returncode == 1  # a failed step fails the check
+    (out / "gpu_tests.xml").write_text('<testsuites><testsuite tests="7" failures="2" errors="0" '
+                                       'skipped="0"/></testsuites>')
+    assert run("export=0:90", "trt=0:5", "tests=0:60").returncode == 1  # failures in the report count
