@@ -69,7 +69,7 @@ def main() -> int:
         for label, nodes in choices.items():
             t0 = time.perf_counter()
             dst = Path(tmp) / f"q{len(report)}" / "model.onnx"
-            quantize_int8(src, dst, cal, info.num_layers, info.num_kv_heads, info.head_dim, nodes=nodes)
+            quantize_int8(src, dst, cal, info, nodes=nodes)
             sess = ort.InferenceSession(str(dst), providers=["CPUExecutionProvider"])
             agree, diff = [], 0.0
             for ids, r in zip(evals, ref_logits):

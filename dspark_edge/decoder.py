@@ -28,14 +28,14 @@ class DecoderModel:
                  role: str = "target") -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"backend {backend!r} is not supported: choose one of {list(BACKENDS)}")
-        if not manifest.precisions(role):
+        present = manifest.precisions(role)
+        if not present:
             raise EngineError(f"{engine_dir}: the manifest lists no {role} variant")
-        available = manifest.precisions(role, backend)
         if precision is None:
-            precision = (available or manifest.precisions(role))[0]
-        if precision not in manifest.precisions(role):
+            precision = (manifest.precisions(role, backend) or present)[0]
+        if precision not in present:
             raise ConfigError(f"precision {precision!r} is not in this engine's {role} (it has "
-                              f"{manifest.precisions(role)}); export it with `--precisions {precision}`")
+                              f"{present}); export it with `--precisions {precision}`")
         variants = manifest.variants_for(role, precision, backend)
         if not variants:
             present = sorted({v.backend for v in manifest.variants_for(role, precision)})
@@ -80,7 +80,7 @@ class DecoderModel:
         """Run and commit all of ``ids``; returns the last chunk's output. With ``hidden_sink``,
         a copy of every chunk's hidden states ([n, H * layers]) is appended to it."""
         out = None
-        chunk = min(chunk, getattr(self.session, "prefill_max", chunk))  # a TensorRT prefill profile's limit
+        chunk = min(chunk, self.session.max_step)  # e.g. a TensorRT engine's prefill profile
         for start in range(0, ids.shape[0], chunk):
             part = ids[start:start + chunk]
             out = self.session.forward(cache, part)

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_edge.errors import ExportError
-from dspark_edge.manifest import GraphIO
+from dspark_edge.manifest import GraphIO, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +46,11 @@ OPSET = 17
 MASKED = -30000.0
 
 
-def _decoder_module(model, hidden_layers: tuple[int, ...]):
+def _decoder_module(model, info: ModelInfo, hidden_layers: tuple[int, ...]):
     import torch
     from torch import nn
 
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    heads, kv_heads, head_dim = info.num_heads, info.num_kv_heads, info.head_dim
     rep = heads // kv_heads
     exposed = set(hidden_layers)
 
@@ -104,15 +101,14 @@ def _decoder_module(model, hidden_layers: tuple[int, ...]):
                 return (logits.float(), *new_kv)
             return (logits.float(), torch.cat(hidden, dim=-1).float(), *new_kv)
 
-    return Decoder().eval(), heads, kv_heads, head_dim
+    return Decoder().eval()
 
 
 def io_names(num_layers: int, hidden: bool = True) -> tuple[list[str], list[str]]:
     io = PORTABLE_IO
-    ins, outs = [io.input_ids], [io.logits] + ([io.hidden_states] if hidden else [])
-    for i in range(num_layers):
-        ins += [io.past_key.format(layer=i), io.past_value.format(layer=i)]
-        outs += [io.present_key.format(layer=i), io.present_value.format(layer=i)]
+    kv = io.kv_names(num_layers)
+    ins = [io.input_ids] + [past for past, _ in kv]
+    outs = [io.logits] + ([io.hidden_states] if hidden else []) + [new for _, new in kv]
     return ins, outs
 
 
@@ -129,17 +125,18 @@ def check_supported(model) -> None:
             raise ExportError(f"the model's attention has no {name}; --graph portable cannot trace it")
 
 
-def export_fp32(model, hidden_layers: tuple[int, ...], path: Path) -> None:
-    """Trace ``model`` (FP32 PyTorch) into the portable graph at ``path`` (+ ``path``.data)."""
+def export_fp32(model, info: ModelInfo, hidden_layers: tuple[int, ...], path: Path) -> None:
+    """Trace ``model`` (FP32 PyTorch, shaped as ``info``) into the portable graph at ``path``
+    (+ ``path``.data)."""
     import torch
 
     check_supported(model)
-    module, _, kv_heads, head_dim = _decoder_module(model, hidden_layers)
-    n = model.config.num_hidden_layers
+    module = _decoder_module(model, info, hidden_layers)
+    n = info.num_layers
     ins, outs = io_names(n, bool(hidden_layers))
     s, past_len = 3, 5
-    args = [torch.randint(0, model.config.vocab_size, (1, s), dtype=torch.int64)]
-    args += [torch.randn(1, past_len, kv_heads, head_dim)] * (2 * n)
+    args = [torch.randint(0, info.vocab_size, (1, s), dtype=torch.int64)]
+    args += [torch.randn(1, past_len, info.num_kv_heads, info.head_dim)] * (2 * n)
     dyn = {name: {1: "new_tokens"} for name in [ins[0], *outs]}
     for name in ins[1:]:
         dyn[name] = {1: "past_length"}
@@ -191,9 +188,8 @@ def weight_matmuls(path: Path) -> list[str]:
             and "down_proj" not in n.name and "lm_head" not in n.name]
 
 
-def quantize_int8(src: Path, dst: Path, sequences: list[list[int]], num_layers: int, kv_heads: int,
-                  head_dim: int, say: Callable[[str], None] = lambda m: None,
-                  nodes: list[str] | None = None) -> None:
+def quantize_int8(src: Path, dst: Path, sequences: list[list[int]], info: ModelInfo,
+                  say: Callable[[str], None] = lambda m: None, nodes: list[str] | None = None) -> None:
     """Explicit INT8 (QDQ) copy of the FP32 portable graph: the weights of ``weight_matmuls``
     per channel and their input activations per tensor, symmetric int8 (what TensorRT's
     explicit quantization expects), calibrated on ``sequences`` (token ids of real prompts).
@@ -204,8 +200,8 @@ def quantize_int8(src: Path, dst: Path, sequences: list[list[int]], num_layers: 
     if not sequences:
         raise ExportError("INT8 calibration needs at least one prompt")
 
-    names = io_names(num_layers)[0]
-    empty = np.zeros((1, 0, kv_heads, head_dim), dtype=np.float32)
+    names = io_names(info.num_layers)[0]
+    empty = np.zeros((1, 0, info.num_kv_heads, info.head_dim), dtype=np.float32)
 
     class Prompts(CalibrationDataReader):
         """Each prompt as one prefill from an empty cache."""

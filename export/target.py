@@ -225,15 +225,15 @@ def calibration_sequences(hf_tok, count: int = 32) -> list[list[int]]:
     return seqs
 
 
-def _build_portable(model, hf_tok, options: ExportOptions, layers, stage: Path, scratch: Path, say: Progress,
-                    step: Callable[[], int], steps: int) -> list[Variant]:
+def _build_portable(model, hf_tok, options: ExportOptions, info: ModelInfo, layers, stage: Path, scratch: Path,
+                    say: Progress, step: Callable[[], int], steps: int) -> list[Variant]:
     """The portable graph at every requested precision (FP16 and INT8 are made from FP32)."""
     from .portable import convert_fp16, export_fp32, quantize_int8
 
-    role, cfg = options.role, model.config
+    role = options.role
     t0 = time.perf_counter()
     fp32 = (stage if "fp32" in options.precisions else scratch) / role / "fp32" / "model.onnx"
-    export_fp32(model, layers, fp32)
+    export_fp32(model, info, layers, fp32)
     say(f"      traced in {time.perf_counter() - t0:.1f}s")
     variants = []
     for precision in options.precisions:
@@ -244,10 +244,7 @@ def _build_portable(model, hf_tok, options: ExportOptions, layers, stage: Path, 
             if precision == "fp16":
                 convert_fp16(fp32, stage / rel)
             else:
-                heads = cfg.num_attention_heads
-                quantize_int8(fp32, stage / rel, calibration_sequences(hf_tok), cfg.num_hidden_layers,
-                              getattr(cfg, "num_key_value_heads", None) or heads,
-                              getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, say)
+                quantize_int8(fp32, stage / rel, calibration_sequences(hf_tok), info, say)
             say(f"      {precision} graph made in {time.perf_counter() - t0:.1f}s")
         device = "gpu" if precision == "fp16" else "any"
         variants += [Variant(role=role, width=w, precision=precision, backend="onnxruntime", file=rel,
@@ -301,7 +298,7 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
         info = _model_info(source, config, source_digest(source))
         if options.graph == "portable":
             say(f"[{next(n)}/{steps}] tracing the portable FP32 graph (standard ONNX operators)")
-            variants = _build_portable(model, hf_tok, options, layers, stage, scratch, say,
+            variants = _build_portable(model, hf_tok, options, info, layers, stage, scratch, say,
                                        lambda: next(n), steps)
         else:
             say(f"[{next(n)}/{steps}] writing the FP32 checkpoint for the graph builder")

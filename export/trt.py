@@ -91,7 +91,7 @@ def plan_engines(manifest: Manifest, precisions: tuple[str, ...] = TRT_PRECISION
         raise ExportError(f"prefill_max must be >= 1, got {prefill_max}")
     prefill_max = min(prefill_max, max_context - 1)
     kv = (m.num_kv_heads, m.head_dim)
-    pasts = [getattr(io, k).format(layer=i) for i in range(m.num_layers) for k in ("past_key", "past_value")]
+    pasts = [past for past, _ in io.kv_names(m.num_layers)]
     plans = []
     for precision in precisions:
         variants = manifest.variants_for("target", precision, "onnxruntime")
@@ -118,7 +118,7 @@ def plan_engines(manifest: Manifest, precisions: tuple[str, ...] = TRT_PRECISION
     return plans
 
 
-def manifest_with_engines(manifest: Manifest, engine_dir: Path, plans: list[EnginePlan], folder: str,
+def manifest_with_engines(manifest: Manifest, engine_dir: Path, plans: list[EnginePlan],
                           built: dict[str, dict[str, str]], timing_cache: str | None) -> Manifest:
     """``manifest`` listing the built engines (replacing earlier TensorRT entries)."""
     old = {e.file.split("/")[0] for e in manifest.tensorrt}
@@ -126,16 +126,15 @@ def manifest_with_engines(manifest: Manifest, engine_dir: Path, plans: list[Engi
     variants = [v for v in manifest.variants if v.backend != "tensorrt"]
     engines = []
     for plan in plans:
-        rel = f"{folder}/{Path(plan.engine).name}"
-        files.append(file_entry(engine_dir, rel))
+        files.append(file_entry(engine_dir, plan.engine))
         info = built[plan.precision]
-        engines.append(TensorRTEngine(file=rel, onnx=plan.onnx, precision=plan.precision,  # type: ignore[arg-type]
+        engines.append(TensorRTEngine(file=plan.engine, onnx=plan.onnx, precision=plan.precision,  # type: ignore[arg-type]
                                       profiles=plan.widths, prefill_max=plan.prefill_max,
                                       max_context=plan.max_context, tensorrt_version=info["tensorrt"],
                                       gpu=info["gpu"], compute_capability=info["compute_capability"],
                                       timing_cache=timing_cache))
         variants += [Variant(role="target", width=w, precision=plan.precision, backend="tensorrt",  # type: ignore[arg-type]
-                             file=rel, device="gpu") for w in plan.widths if w]
+                             file=plan.engine, device="gpu") for w in plan.widths if w]
     if timing_cache:
         files.append(file_entry(engine_dir, timing_cache))
     return dataclasses.replace(manifest, files=tuple(files), variants=tuple(variants), tensorrt=tuple(engines))
@@ -231,7 +230,7 @@ def build_engines(engine_dir: Path, precisions: tuple[str, ...] = TRT_PRECISIONS
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    new = manifest_with_engines(manifest, engine_dir, plans, folder, built, f"{folder}/timing.cache")
+    new = manifest_with_engines(manifest, engine_dir, plans, built, f"{folder}/timing.cache")
     write_manifest(new, engine_dir)
     for e in manifest.tensorrt:
         old = e.file.split("/")[0]

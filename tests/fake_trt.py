@@ -261,4 +261,4 @@ def write_fake_engines(folder: Path, precisions=("fp16", "int8"), max_context: i
         (folder / "trt-fake" / f"{p.precision}.engine").write_text(json.dumps(plan))
     (folder / "trt-fake" / "timing.cache").write_bytes(b"")
     built = {p.precision: {"tensorrt": "10.13.0.35", "gpu": gpu[0], "compute_capability": gpu[1]} for p in plans}
-    write_manifest(manifest_with_engines(m, folder, plans, "trt-fake", built, "trt-fake/timing.cache"), folder)
+    write_manifest(manifest_with_engines(m, folder, plans, built, "trt-fake/timing.cache"), folder)

@@ -71,7 +71,7 @@ def _fake_built_folder(src, dst):
     (dst / "trt-test" / "timing.cache").write_bytes(b"cache")
     built = {p.precision: {"tensorrt": "10.13.0", "gpu": "NVIDIA Jetson Orin", "compute_capability": "8.7"}
              for p in plans}
-    new = manifest_with_engines(m, dst, plans, "trt-test", built, "trt-test/timing.cache")
+    new = manifest_with_engines(m, dst, plans, built, "trt-test/timing.cache")
     write_manifest(new, dst)
     return new
 

@@ -33,6 +33,10 @@ class BackendOptions:
     fallback_to_cpu: bool = False
     device_id: int = 0
 
+    def option_dicts(self) -> list[dict]:
+        """``provider_options``, or an empty dict per provider when none were given."""
+        return list(self.provider_options) or [{} for _ in self.providers]
+
     def __post_init__(self) -> None:
         if self.device_id < 0:
             raise BackendError(f"device_id must be >= 0, got {self.device_id}")
@@ -46,6 +50,22 @@ class BackendOptions:
 class ForwardOutput:
     logits: np.ndarray  # [S, V] float32
     hidden: np.ndarray | None  # [S, H * len(hidden_state_layers)] float32, or None
+
+
+def output_buffers(kept: dict[int, tuple[np.ndarray, np.ndarray | None]], cached_widths: frozenset[int],
+                   width: int, vocab: int, hidden_width: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Host arrays for one call's outputs: logits [1, width, vocab] and hidden states
+    [1, width, hidden_width] (None when 0). Kept in ``kept`` and reused for the decode widths
+    (``cached_widths``) only: a prefill chunk's length varies with every prompt, and a buffer
+    per length seen would grow without bound in a long-running process."""
+    bufs = kept.get(width)
+    if bufs is None:
+        logits = np.empty((1, width, vocab), dtype=np.float32)
+        hidden = np.empty((1, width, hidden_width), dtype=np.float32) if hidden_width else None
+        bufs = (logits, hidden)
+        if width in cached_widths:
+            kept[width] = bufs
+    return bufs
 
 
 class KVCache:
@@ -78,6 +98,7 @@ class KVCache:
 class DecoderSession(Protocol):
     capacity: int
     cached_widths: frozenset[int]  # widths whose output buffers are reused (the decode widths)
+    max_step: int  # the most new tokens one forward call takes
 
     def new_cache(self) -> KVCache: ...
 

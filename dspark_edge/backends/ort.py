@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import BackendError, EngineError
 from ..manifest import GraphIO, ModelInfo
-from .base import BackendOptions, ForwardOutput, KVCache
+from .base import BackendOptions, ForwardOutput, KVCache, output_buffers
 from .layout import AppendLayout
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def resolve_providers(options: BackendOptions) -> tuple[list[str], list[dict]]:
     """The providers to request, checked against this onnxruntime build."""
     ort = _import_ort()
     available = ort.get_available_providers()
-    opts = list(options.provider_options) or [{} for _ in options.providers]
+    opts = options.option_dicts()
     if len(opts) != len(options.providers):
         raise BackendError(f"provider_options has {len(opts)} entries for {len(options.providers)} providers")
     chosen, chosen_opts = [], []
@@ -136,7 +136,7 @@ def trt_ep_profile(io: GraphIO, model: ModelInfo, capacity: int, prefill_max: in
     them it rebuilds its engine whenever the past length grows past what it has seen."""
     new_max = max(1, min(prefill_max, capacity - 1))
     kv = f"x{model.num_kv_heads}x{model.head_dim}"
-    pasts = [getattr(io, k).format(layer=i) for i in range(model.num_layers) for k in ("past_key", "past_value")]
+    pasts = [past for past, _ in io.kv_names(model.num_layers)]
 
     def shapes(new: int, past: int) -> str:
         return ",".join([f"{io.input_ids}:1x{new}"] + [f"{p}:1x{past}{kv}" for p in pasts])
@@ -151,7 +151,7 @@ def _with_trt_profile(options: BackendOptions, io: GraphIO, model: ModelInfo, ca
     name = "TensorrtExecutionProvider"
     if name not in options.providers or io.kv_layout != "append":
         return options
-    opts = list(options.provider_options) or [{} for _ in options.providers]
+    opts = options.option_dicts()
     i = options.providers.index(name)
     if any(k.startswith("trt_profile_") for k in opts[i]):
         return options
@@ -165,7 +165,7 @@ def kv_device(providers: tuple[str, ...], options: BackendOptions) -> tuple[str,
     first = providers[0] if providers else "CPUExecutionProvider"
     if first not in CUDA_PROVIDERS:
         return "cpu", 0
-    opts = dict(zip(options.providers, options.provider_options or [{}] * len(options.providers))).get(first, {})
+    opts = dict(zip(options.providers, options.option_dicts())).get(first, {})
     return "cuda", int(opts.get("device_id", options.device_id))
 
 
@@ -189,10 +189,11 @@ class OrtDecoder:
         self.providers = tuple(self.session.get_providers())
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = {o.name for o in self.session.get_outputs()}
+        # (past, present) tensor names in the order of a cache's buffers
+        self._kv_names = io.kv_names(model.num_layers)
         needed_in = [io.input_ids] + ([io.attention_mask] if io.attention_mask else []) + [
-            getattr(io, k).format(layer=i) for i in range(model.num_layers) for k in ("past_key", "past_value")]
-        needed_out = [io.logits] + [
-            getattr(io, k).format(layer=i) for i in range(model.num_layers) for k in ("present_key", "present_value")]
+            past for past, _ in self._kv_names]
+        needed_out = [io.logits] + [present for _, present in self._kv_names]
         missing = [n for n in needed_in if n not in inputs] + [n for n in needed_out if n not in outputs]
         if io.hidden_states and io.hidden_states not in outputs:
             missing.append(io.hidden_states)
@@ -204,42 +205,36 @@ class OrtDecoder:
         if self.kv_dtype is None:
             raise EngineError(f"{path}: unsupported KV cache type {kv_type}")
         self._ones = np.ones((1, self.capacity), dtype=np.int64)
+        self.max_step = self.capacity
         self._outputs: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
-        # Output buffers are kept for these widths only (the decode widths, set by the caller):
-        # a prefill chunk's length varies with every prompt, and keeping a [w, vocab] buffer per
-        # length seen would grow without bound in a long-running process.
-        self.cached_widths: frozenset[int] = frozenset()
+        self.cached_widths: frozenset[int] = frozenset()  # set by the caller: the decode widths
         self._hidden_width = hidden_width if io.hidden_states else 0
         self.device, self.device_id = kv_device(self.providers, options)
         self.layout = None
         if io.kv_layout == "append":
             self.layout = AppendLayout(self.capacity, model.num_kv_heads, model.head_dim,
                                        np.dtype(self.kv_dtype).itemsize)
-        # (past, new) tensor names in the order of a cache's buffers
-        self._append_names = [(past.format(layer=i), new.format(layer=i)) for i in range(model.num_layers)
-                              for past, new in ((io.past_key, io.present_key), (io.past_value, io.present_value))]
         log.info("opened %s on %s (KV capacity %d, %s layout, cache on %s)", path, ",".join(self.providers),
                  self.capacity, io.kv_layout, self.device)
 
     def new_cache(self) -> OrtKVCache:
         ort = _import_ort()
-        m, io = self.model, self.io
+        m = self.model
         if self.layout is not None:
             shape = self.layout.buffer_shape
         else:
             shape = (1, m.num_kv_heads, self.capacity, m.head_dim)
         binding = self.session.io_binding()
         buffers = []
-        for layer in range(m.num_layers):
-            for past, present in ((io.past_key, io.present_key), (io.past_value, io.present_value)):
-                # On the CPU the OrtValue wraps this array's memory (one array per buffer);
-                # on a GPU it is copied to a new device allocation.
-                value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self.kv_dtype), self.device,
-                                                         self.device_id)
-                if self.layout is None:
-                    binding.bind_ortvalue_input(past.format(layer=layer), value)
-                    binding.bind_ortvalue_output(present.format(layer=layer), value)
-                buffers.append(value)
+        for past, present in self._kv_names:
+            # On the CPU the OrtValue wraps this array's memory (one array per buffer);
+            # on a GPU it is copied to a new device allocation.
+            value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self.kv_dtype), self.device,
+                                                     self.device_id)
+            if self.layout is None:
+                binding.bind_ortvalue_input(past, value)
+                binding.bind_ortvalue_output(present, value)
+            buffers.append(value)
         return OrtKVCache(self.capacity, buffers, binding)
 
     def _bind_append(self, cache: OrtKVCache, width: int) -> None:
@@ -249,21 +244,9 @@ class OrtDecoder:
         past_shape, new_shape = lay.past_shape(cache.length), lay.new_shape(width)
         offset = lay.new_offset(cache.length)
         dev, dev_id, dtype = self.device, self.device_id, self.kv_dtype
-        for (past, new), ptr in zip(self._append_names, cache.pointers):
+        for (past, new), ptr in zip(self._kv_names, cache.pointers):
             b.bind_input(past, dev, dev_id, dtype, past_shape, ptr)
             b.bind_output(new, dev, dev_id, dtype, new_shape, ptr + offset)
-
-    def _output_buffers(self, width: int) -> tuple[np.ndarray, np.ndarray | None]:
-        bufs = self._outputs.get(width)
-        if bufs is None:
-            logits = np.empty((1, width, self.model.vocab_size), dtype=np.float32)
-            hidden = None
-            if self._hidden_width:
-                hidden = np.empty((1, width, self._hidden_width), dtype=np.float32)
-            bufs = (logits, hidden)
-            if width in self.cached_widths:
-                self._outputs[width] = bufs
-        return bufs
 
     def forward(self, cache: OrtKVCache, ids: np.ndarray) -> ForwardOutput:
         """Run ``ids`` ([S] int64) after ``cache.length`` committed positions (nothing is committed)."""
@@ -278,7 +261,8 @@ class OrtDecoder:
             b.bind_cpu_input(io.attention_mask, self._ones[:, :total])
         if self.layout is not None:
             self._bind_append(cache, width)
-        logits, hidden = self._output_buffers(width)
+        logits, hidden = output_buffers(self._outputs, self.cached_widths, width, self.model.vocab_size,
+                                        self._hidden_width)
         b.bind_output(io.logits, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         if hidden is not None:
             b.bind_output(io.hidden_states, "cpu", 0, np.float32, list(hidden.shape), hidden.ctypes.data)

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import BackendError, EngineError
 from ..manifest import GraphIO, ModelInfo, TensorRTEngine
-from .base import BackendOptions, ForwardOutput, KVCache
+from .base import BackendOptions, ForwardOutput, KVCache, output_buffers
 from .layout import AppendLayout
 
 if TYPE_CHECKING:  # checked by mypy against tensorrt-stubs; imported at run time only when used
@@ -93,16 +93,13 @@ class _DeviceMemory:
 
     def __init__(self) -> None:
         self.pointers: list[int] = []
-        self._finalizer = weakref.finalize(self, _free_all, self.pointers)
+        weakref.finalize(self, _free_all, self.pointers)
 
     def alloc(self, nbytes: int, what: str) -> int:
         cudart = import_cudart()
         ptr = int(cuda_call(cudart.cudaMalloc(max(1, nbytes)), f"cudaMalloc of {nbytes} bytes for {what}"))
         self.pointers.append(ptr)
         return ptr
-
-    def free(self) -> None:
-        self._finalizer()
 
 
 def _free_all(pointers: list[int]) -> None:
@@ -176,14 +173,13 @@ class TrtDecoder:
             raise EngineError(f"{path}: unsupported KV cache type {kv_type}")
         self.layout = AppendLayout(self.capacity, model.num_kv_heads, model.head_dim, itemsize)
         self._hidden_width = hidden_width if io.hidden_states else 0
-        widest = self._widest = max(self.prefill_max, *engine_info.profiles)
+        widest = self.max_step = max(self.prefill_max, *engine_info.profiles)  # device I/O buffers fit this
         self._d_ids = self.memory.alloc(widest * 8, "input ids")
         self._d_logits = self.memory.alloc(widest * model.vocab_size * 4, "logits")
         self._d_hidden = self.memory.alloc(widest * max(1, self._hidden_width) * 4, "hidden states")
-        self._names = [(past.format(layer=i), new.format(layer=i)) for i in range(model.num_layers)
-                       for past, new in ((io.past_key, io.present_key), (io.past_value, io.present_value))]
+        self._names = io.kv_names(model.num_layers)
         self._outputs: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
-        self.cached_widths: frozenset[int] = frozenset()
+        self.cached_widths: frozenset[int] = frozenset()  # set by the caller: the decode widths
         self.providers = ("TensorRT",)
         log.info("opened TensorRT engine %s on %s (%d profiles, KV capacity %d, scratch %.1f MiB)", path,
                  self.gpu["gpu"], n, self.capacity, scratch / 2**20)
@@ -196,16 +192,6 @@ class TrtDecoder:
             cuda_call(self._cudart.cudaMemset(ptr, 0, self.layout.buffer_bytes), "cudaMemset")
             pointers.append(ptr)
         return TrtKVCache(self.capacity, memory, pointers)
-
-    def _output_buffers(self, width: int) -> tuple[np.ndarray, np.ndarray | None]:
-        bufs = self._outputs.get(width)
-        if bufs is None:
-            logits = np.empty((width, self.model.vocab_size), dtype=np.float32)
-            hidden = np.empty((width, self._hidden_width), dtype=np.float32) if self._hidden_width else None
-            bufs = (logits, hidden)
-            if width in self.cached_widths:
-                self._outputs[width] = bufs
-        return bufs
 
     def _pieces(self, length: int, width: int) -> list[tuple[int, int]]:
         """(profile width, new tokens) runs covering ``width`` tokens after ``length``: one run at
@@ -254,8 +240,8 @@ class TrtDecoder:
         """Run ``ids`` ([S] int64) after ``cache.length`` committed positions (nothing is committed)."""
         width = int(ids.shape[0])
         self.layout.check(cache.length, width)
-        if width > self._widest:
-            raise BackendError(f"{width} new tokens in one call; this engine takes at most {self._widest} "
+        if width > self.max_step:
+            raise BackendError(f"{width} new tokens in one call; this engine takes at most {self.max_step} "
                                "(DecoderModel.prefill chunks prompts to fit)")
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         done = 0
@@ -265,11 +251,12 @@ class TrtDecoder:
             done += n
         cudart = self._cudart
         d2h = cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        logits, hidden = self._output_buffers(width)
+        logits, hidden = output_buffers(self._outputs, self.cached_widths, width, self.model.vocab_size,
+                                        self._hidden_width)
         cuda_call(cudart.cudaMemcpyAsync(logits.ctypes.data, self._d_logits, logits.nbytes, d2h, self.stream),
                   "copy logits")
         if hidden is not None:
             cuda_call(cudart.cudaMemcpyAsync(hidden.ctypes.data, self._d_hidden, hidden.nbytes, d2h, self.stream),
                       "copy hidden states")
         cuda_call(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
-        return ForwardOutput(logits, hidden)
+        return ForwardOutput(logits[0], None if hidden is None else hidden[0])
