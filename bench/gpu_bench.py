@@ -113,4 +113,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dspark_edge.errors import DSparkError
+
+    try:
+        sys.exit(main())
+    except DSparkError as exc:  # bad engine folder, prompt file, …: the message says what to fix
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=int, required=True, help="its total wall time")
     ap.add_argument("--step", action="append", default=[], metavar="NAME=EXIT:SECONDS", help="one step (repeatable)")
     args = ap.parse_args(argv)
+    if not args.out.is_dir():
+        print(f"error: --out {args.out} is not a folder (the GPU check's output folder)", file=sys.stderr)
+        return 2
     steps = {}
     for item in args.step:
         name, _, rest = item.partition("=")

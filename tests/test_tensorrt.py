@@ -386,3 +386,13 @@ def test_gpu_check_summary(tiny_portable, tmp_path):
     (out / "gpu_tests.xml").write_text('<testsuites><testsuite tests="7" failures="2" errors="0" '
                                        'skipped="0"/></testsuites>')
     assert run("export=0:90", "trt=0:5", "tests=0:60").returncode == 1  # failures in the report count
+
+
+def test_gpu_scripts_report_bad_input(tiny_portable, tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, *a], capture_output=True, text=True)  # noqa: E731
+    p = run("bench/gpu_bench.py", "--engine", str(tiny_portable), "--prompts", str(tmp_path / "none.jsonl"))
+    assert p.returncode == 2 and "prompt file" in p.stderr and "Traceback" not in p.stderr
+    p = run("bench/gpu_summary.py", "--out", str(tmp_path / "none"), "--engine", str(tiny_portable), "--seconds", "1")
+    assert p.returncode == 2 and "is not a folder" in p.stderr
+    p = run("bench/int8_sensitivity.py", "--engine", str(tmp_path / "none"))
+    assert p.returncode == 2 and "does not exist" in p.stderr and "Traceback" not in p.stderr
