@@ -113,10 +113,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from dspark_edge.errors import DSparkError
+    from dspark_edge.cli import run_reporting_errors
 
-    try:
-        sys.exit(main())
-    except DSparkError as exc:  # bad engine folder, prompt file, …: the message says what to fix
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_reporting_errors(main))

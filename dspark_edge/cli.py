@@ -490,16 +490,23 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+def run_reporting_errors(fn, *args) -> int:
+    """``fn(*args)``'s exit code; a project error is one line on stderr and exit 2 (bad input),
+    Ctrl-C exit 130. Shared by this CLI and the scripts in bench/."""
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "inspect": cmd_inspect,
-                "profile": cmd_profile, "plot": cmd_plot}[args.command](args)
+        return fn(*args)
     except DSparkError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("[interrupted]", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    command = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "inspect": cmd_inspect,
+               "profile": cmd_profile, "plot": cmd_plot}[args.command]
+    return run_reporting_errors(command, args)
