@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="data shards, checkpoint and logs (default: %(default)s)")
     tr.add_argument("--source", default="default", help="the target's source (as for `target`)")
     tr.add_argument("--prompts", type=int, default=640, help="training prompts to answer (default: %(default)s)")
+    tr.add_argument("--text-tokens", type=int, default=200_000,
+                    help="teacher-forced tokens of installed package text (READMEs, standard-library modules) "
+                         "added to the answers; 0 = none (default: %(default)s)")
     tr.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: %(default)s)")
     tr.add_argument("--layers", type=int, default=2, help="backbone layers (default: %(default)s)")
     tr.add_argument("--slots", type=int, default=7, help="drafts per block (default: %(default)s)")
@@ -157,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 
             train_drafter(TrainDrafterOptions(
                 target_engine=args.target, output=args.output, work=args.work, source=args.source,
-                prompts=args.prompts, max_new_tokens=args.max_new_tokens, layers=args.layers, slots=args.slots,
+                prompts=args.prompts, max_new_tokens=args.max_new_tokens, text_tokens=args.text_tokens,
+                layers=args.layers, slots=args.slots,
                 draft_vocab=args.draft_vocab, markov_rank=args.markov_rank, steps=args.steps, lr=args.lr),
                 progress=progress)
             return 0

@@ -177,8 +177,8 @@ def tiny_with_drafter(tmp_path_factory, tiny_hf, tiny_engine):
     msgs = []
     weights = train_drafter(TrainDrafterOptions(
         target_engine=engine, output=root / "weights", work=root / "work", source=str(tiny_hf), prompts=10,
-        max_new_tokens=24, layers=1, slots=3, draft_vocab=200, markov_rank=8, steps=8, seqs_per_step=4,
-        anchors=6), progress=msgs.append)
+        max_new_tokens=24, text_tokens=300, layers=1, slots=3, draft_vocab=200, markov_rank=8, steps=8,
+        seqs_per_step=4, anchors=6), progress=msgs.append)
     install_drafter(engine, weights, blocks=(2, 4), precisions=("fp32", "int8", "fp16"), source=str(tiny_hf),
                     progress=msgs.append)
     return engine, weights, msgs
@@ -189,6 +189,9 @@ def test_train_and_install_write_a_complete_drafter(tiny_with_drafter):
 
     engine, weights, msgs = tiny_with_drafter
     assert any("ETA" in m for m in msgs)  # progress on long work
+    assert any(m.strip().startswith("text shard 1/") for m in msgs)
+    meta = json.loads((weights / "drafter.json").read_text())
+    assert "teacher-forced tokens" in meta["training"]["data"] and "fingerprint" in meta["training"]["data"]
     rep = json.loads((weights / "calibration.json").read_text())
     assert len(rep["temperatures"]) == 3 and len(rep["positions"]) == 3
     assert (weights / "reliability.png").stat().st_size > 1000
@@ -209,9 +212,10 @@ def test_resume_after_finish_does_not_retrain(tiny_with_drafter, tiny_hf):
     msgs = []
     train_drafter(TrainDrafterOptions(
         target_engine=engine, output=weights, work=weights.parent / "work", source=str(tiny_hf), prompts=10,
-        max_new_tokens=24, layers=1, slots=3, draft_vocab=200, markov_rank=8, steps=8, seqs_per_step=4,
-        anchors=6), progress=msgs.append)
+        max_new_tokens=24, text_tokens=300, layers=1, slots=3, draft_vocab=200, markov_rank=8, steps=8,
+        seqs_per_step=4, anchors=6), progress=msgs.append)
     assert any("resumed at step 8" in m for m in msgs)
+    assert not any("text shard" in m for m in msgs)  # the text shards were kept
     assert not any(m.strip().startswith("step ") for m in msgs)
 
 
@@ -382,3 +386,62 @@ def test_held_out_split_is_stable_when_data_grows():
     assert set(tr_big) | set(val_big) == set(range(920)) and not set(tr_big) & set(val_big)
     assert 0.03 < len(val_big) / 920 < 0.09
     assert len(split(fake(3))[1]) >= 1
+
+
+def test_text_ids_always_train_and_get_their_share():
+    from export.drafter.train import sampling_weights, split
+
+    n = 900
+    data = Sequences(np.zeros(n, np.int32), np.arange(n + 1, dtype=np.int64), np.zeros(n, np.int32),
+                     np.zeros((n, 1), np.float16), np.zeros((n, 1), np.int32), np.zeros((n, 1), np.float16))
+    tr, val = split(data, answers=600)
+    assert val.max() < 600 and set(range(600, n)) <= set(tr)
+    assert set(tr) | set(val) == set(range(n)) and not set(tr) & set(val)
+    assert np.array_equal(val, split(data, answers=600)[1])  # answers keep their held-out draw
+    w = sampling_weights(tr, 600, 0.4)
+    assert abs(w.sum() - 1) < 1e-9 and abs(w[tr >= 600].sum() - 0.4) < 1e-9
+    assert sampling_weights(tr[tr < 600], 600, 0.4) is None  # no text: uniform
+
+
+def _fake_site(root, bodies):
+    for name, body in bodies.items():
+        d = root / f"{name}-1.0.dist-info"
+        d.mkdir(parents=True)
+        (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\n\n{body}", encoding="utf-8")
+    return root
+
+
+def test_package_documents_read_readmes_and_modules_in_a_fixed_interleaved_order(tmp_path):
+    from export.drafter.text import MIN_CHARS, fingerprint, package_documents, prompt_for
+
+    long = "word " * MIN_CHARS
+    site = _fake_site(tmp_path / "site", {"alpha": long, "beta": "too short", "dspark_edge": long, "gamma": long})
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "mod_a.py").write_text("x = 1\n" * MIN_CHARS)
+    (lib / "tiny.py").write_text("x = 1\n")
+    docs = package_documents([site], lib)
+    assert [d.name for d in docs] == ["prose:alpha", "code:mod_a", "prose:gamma"]  # this project's own skipped
+    assert docs[0].text.startswith("word word")  # the body, not the headers
+    assert "alpha" in prompt_for(docs[0])[0]["content"] and "mod_a" in prompt_for(docs[1])[0]["content"]
+    again = package_documents([site], lib)
+    assert fingerprint(again) == fingerprint(docs)
+    (lib / "mod_a.py").write_text("y = 2\n" * MIN_CHARS)
+    assert fingerprint(package_documents([site], lib)) != fingerprint(docs)
+
+
+def test_text_windows_cap_each_document_and_stop_at_the_budget():
+    from export.drafter.text import Document, text_sequences
+
+    class Tok:
+        def encode(self, text):
+            return [len(w) for w in text.split()]
+
+        def encode_chat(self, messages):
+            return [99, 98]
+
+    docs = [Document("prose:a", "w " * 5000), Document("code:b", "ww " * 300)]
+    seqs = text_sequences(Tok(), docs, window=100, max_tokens=10_000)
+    assert [len(a) for _, a in seqs] == [100] * 8 + [100, 100, 100]  # a: 8 windows at most; b: 300 tokens
+    assert all(p == [99, 98] for p, _ in seqs)
+    assert sum(len(a) for _, a in text_sequences(Tok(), docs, window=100, max_tokens=250)) == 300

@@ -33,6 +33,7 @@ class TrainDrafterOptions:
     source: str = "default"
     prompts: int = 640
     max_new_tokens: int = 192
+    text_tokens: int = 200_000
     layers: int = 2
     slots: int = 7
     draft_vocab: int = 8192
@@ -48,6 +49,8 @@ class TrainDrafterOptions:
                      "seqs_per_step", "anchors"):
             if getattr(self, name) < 1:
                 raise ExportError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.text_tokens < 0:
+            raise ExportError(f"--text-tokens must be 0 (no text) or more, got {self.text_tokens}")
         if not (self.target_engine / "manifest.json").is_file():
             raise ExportError(f"{self.target_engine} is not an engine folder (no manifest.json); export the target "
                               "first with `python -m export target`")
@@ -118,6 +121,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     from .data import build_shards, load_shards
     from .model import DraftConfig
     from .prompts import training_prompts
+    from .text import build_text_shards, fingerprint, package_documents, text_sequences
     from .train import TrainOptions, choose_draft_vocab, held_out_rounds, split, train
 
     torch.manual_seed(opts.seed)
@@ -141,9 +145,19 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     tok = Tokenizer.from_engine(opts.target_engine, manifest)
     shards = build_shards(target, decoder, tok, prompts[:opts.prompts], opts.work / "data", manifest.tokenizer.eos_ids[0],
                           manifest.tokenizer.pad_id, opts.max_new_tokens, progress=lambda s: progress("      " + s))
+    answers = len(load_shards(shards).prompt_lens)
+    text_note = "no teacher-forced text"
+    if opts.text_tokens:
+        docs = package_documents()
+        windows = text_sequences(tok, docs, 256, opts.text_tokens)
+        text_note = (f"{sum(len(a) for _, a in windows)} teacher-forced tokens in {len(windows)} windows of "
+                     f"{len(docs)} installed documents (package READMEs, standard-library modules; "
+                     f"fingerprint {fingerprint(docs)})")
+        progress(f"      text: {text_note} (resumable)")
+        shards += build_text_shards(decoder, windows, opts.work / "text", progress=lambda s: progress("      " + s))
     del decoder
     data = load_shards(shards)
-    train_ids, val_ids = split(data, seed=opts.seed)
+    train_ids, val_ids = split(data, seed=opts.seed, answers=answers)
     vocab_path = opts.work / "vocab_ids.npy"
     if not vocab_path.is_file():
         np.save(vocab_path, choose_draft_vocab(data, opts.draft_vocab, manifest.model.vocab_size))
@@ -167,7 +181,8 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     tr_opts = TrainOptions(steps=opts.steps, seqs_per_step=min(opts.seqs_per_step, len(train_ids)),
                            anchors=opts.anchors, lr=opts.lr, seed=opts.seed,
                            validate_every=min(250, opts.steps), checkpoint_every=min(50, opts.steps))
-    result = train(model, data, train_ids, val_ids, opts.work, tr_opts, progress=lambda s: progress("      " + s))
+    result = train(model, data, train_ids, val_ids, opts.work, tr_opts, progress=lambda s: progress("      " + s),
+                   answers=answers)
     progress("[4/4] calibrating the confidence head on held-out rounds")
     accepted, z, _ = held_out_rounds(model, data, val_ids, cfg.slots, anchors=None)
     half = np.random.default_rng(opts.seed).permutation(accepted.size) < accepted.size // 2
@@ -185,7 +200,8 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
         "temperatures": [float(t) for t in temps],
         "training": {"command": " ".join(sys.argv), "options": {k: str(v) for k, v in asdict(opts).items()},
                      "data": f"the target's greedy answers to {opts.prompts} project prompts "
-                             "(export/drafter/prompts.py) and its FP32 engine's teacher-forced features",
+                             "(export/drafter/prompts.py) and its FP32 engine's teacher-forced features; "
+                             f"{text_note}",
                      "sequences": len(data), "tokens": int(data.tokens.size), "steps": result["steps"],
                      "validation": result["history"], "draft_vocab_coverage": coverage,
                      "minutes_this_run": round((time.perf_counter() - t0) / 60, 1)},

@@ -45,6 +45,7 @@ class TrainOptions:
     alpha_conf: float = 1.0
     short_block: int = 3  # a share of blocks is trained at this length (the block-4 variant)
     short_share: float = 0.25
+    text_share: float = 0.4  # share of each step's sequences drawn from teacher-forced text (when any)
     checkpoint_every: int = 50
     validate_every: int = 250
     seed: int = 0
@@ -62,15 +63,28 @@ def choose_draft_vocab(data: Sequences, size: int, vocab_size: int) -> np.ndarra
     return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int64)
 
 
-def split(data: Sequences, held_out: float = 0.06, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def split(data: Sequences, held_out: float = 0.06, seed: int = 0, answers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(train ids, held-out ids). Sequence i is held out by the i-th draw of one seeded stream,
     so adding data (more prompts, more shards) never moves a held-out sequence into training:
-    a resumed or extended run is still validated on sequences it never trained on."""
-    u = np.random.default_rng(seed).random(len(data))
+    a resumed or extended run is still validated on sequences it never trained on. Only the
+    first ``answers`` sequences (the target's own answers; default all) can be held out: what
+    follows them (teacher-forced text) always trains."""
+    n = len(data) if answers is None else answers
+    u = np.random.default_rng(seed).random(n)
     val = u < held_out
     if not val.any():
         val[int(np.argmin(u))] = True
-    return np.flatnonzero(~val), np.flatnonzero(val)
+    return np.concatenate([np.flatnonzero(~val), np.arange(n, len(data))]), np.flatnonzero(val)
+
+
+def sampling_weights(train_ids: np.ndarray, answers: int, text_share: float) -> np.ndarray | None:
+    """Per-sequence probabilities giving teacher-forced text (ids ≥ ``answers``) ``text_share``
+    of the draws; None (uniform) when there is no text."""
+    is_text = train_ids >= answers
+    n_text = int(is_text.sum())
+    if n_text == 0 or n_text == train_ids.size:
+        return None
+    return np.where(is_text, text_share / n_text, (1.0 - text_share) / (train_ids.size - n_text))
 
 
 def make_batch(data: Sequences, seq_ids, anchors: int, slots: int, to_draft: np.ndarray, rng,
@@ -256,8 +270,10 @@ def save_checkpoint(path: Path, model: DSparkDraft, opt, step: int, history: lis
 
 
 def train(model: DSparkDraft, data: Sequences, train_ids, val_ids, work: Path, opts: TrainOptions,
-          progress=None) -> dict:
-    """Train until ``opts.steps``, resuming from ``work/checkpoint.pt`` when present."""
+          progress=None, answers: int | None = None) -> dict:
+    """Train until ``opts.steps``, resuming from ``work/checkpoint.pt`` when present. Sequences
+    from ``answers`` on are teacher-forced text, drawn with ``opts.text_share``."""
+    weights = sampling_weights(np.asarray(train_ids), len(data) if answers is None else answers, opts.text_share)
     to_draft = model.to_draft.numpy()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.01, betas=(0.9, 0.95))
@@ -277,7 +293,7 @@ def train(model: DSparkDraft, data: Sequences, train_ids, val_ids, work: Path, o
     while step < opts.steps:
         for g in opt.param_groups:
             g["lr"] = _lr(step, opts)
-        ids = rng.choice(train_ids, size=opts.seqs_per_step, replace=False)
+        ids = rng.choice(train_ids, size=opts.seqs_per_step, replace=False, p=weights)
         batch = make_batch(data, ids, opts.anchors, slots, to_draft, rng, opts.short_block, opts.short_share)
         out = forward_batch(model, batch)
         loss, parts = loss_of(out, batch, opts, slots)

@@ -1,0 +1,138 @@
+"""Teacher-forced training text for a DSpark drafter, from what the installed packages carry.
+
+The target's own answers (``data.py``) are the best data but cost a generation each (about
+50 tokens/s on a 2-core CPU). A teacher-forced pass over existing text costs one prefill (far
+cheaper per token) and still teaches what the drafter must learn: the target's next-token
+distribution given the target's own hidden states. Sources, all on any machine that ran the
+installer, read in a fixed order:
+
+- ``prose``: the long descriptions (README text with code examples) in the ``METADATA`` of every
+  installed distribution of the interpreter's site-packages, this project's own excluded;
+- ``code``: the Python standard library's top-level modules (``sysconfig`` ``stdlib``).
+
+Each document is cut into windows of ``window`` tokens. A window becomes one training sequence:
+a short chat prompt naming the document, then the window as the assistant's answer, so the
+features are those of an answer turn, as at run time. Labels are the target's own top-K at
+every position (never the text's next token), so the drafter still learns the target.
+Shards (``text-00000.npz`` …) have the layout of the answer shards and are renamed into place
+when complete: an interrupted run resumes at the first missing shard.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import hashlib
+import os
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+SKIP_DISTRIBUTIONS = ("dspark_edge", "dspark-edge")
+MIN_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str  # "prose:<distribution>" or "code:<module>"
+    text: str
+
+
+def site_packages() -> list[Path]:
+    paths = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    return sorted(Path(p) for p in paths if Path(p).is_dir())
+
+
+def package_documents(site_dirs: list[Path] | None = None, stdlib: Path | None = None) -> list[Document]:
+    """Every usable document, prose and code interleaved (so any prefix of the list mixes
+    both), in an order that depends only on the names."""
+    prose: list[Document] = []
+    for site in site_dirs if site_dirs is not None else site_packages():
+        for meta in sorted(site.glob("*.dist-info/METADATA")):
+            dist = meta.parent.name.split("-")[0]
+            if dist.lower() in SKIP_DISTRIBUTIONS:
+                continue
+            msg = email.parser.Parser().parsestr(meta.read_text(encoding="utf-8", errors="replace"))
+            body = msg.get_payload()
+            if isinstance(body, str) and len(body) >= MIN_CHARS:
+                prose.append(Document(f"prose:{dist}", body))
+    code: list[Document] = []
+    lib = stdlib if stdlib is not None else Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(lib.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if len(text) >= MIN_CHARS:
+            code.append(Document(f"code:{path.stem}", text))
+    out: list[Document] = []
+    for i in range(max(len(prose), len(code))):
+        out += [d for d in (prose[i] if i < len(prose) else None, code[i] if i < len(code) else None) if d]
+    return out
+
+
+def prompt_for(doc: Document) -> list[dict]:
+    kind, name = doc.name.split(":", 1)
+    if kind == "code":
+        return [{"role": "user", "content": f"Show me the source code of Python's {name} module."}]
+    return [{"role": "user", "content": f"Show me the documentation of the {name} Python package."}]
+
+
+def text_sequences(tokenizer, docs: list[Document], window: int, max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) windows, taking documents in order until ``max_tokens`` answer
+    tokens; each document gives at most 8 windows so that no single one dominates."""
+    out, total = [], 0
+    for doc in docs:
+        ids = tokenizer.encode(doc.text)
+        prompt = tokenizer.encode_chat(prompt_for(doc))
+        for start in range(0, min(len(ids), 8 * window) - window // 2, window):
+            piece = ids[start:start + window]
+            out.append((prompt, piece))
+            total += len(piece)
+            if total >= max_tokens:
+                return out
+    return out
+
+
+def fingerprint(docs: list[Document]) -> str:
+    """sha256 prefix over the documents' names and texts: which text a drafter saw."""
+    h = hashlib.sha256()
+    for d in docs:
+        h.update(d.name.encode() + b"\0" + d.text.encode("utf-8", errors="replace") + b"\0")
+    return h.hexdigest()[:16]
+
+
+def text_shard_path(folder: Path, index: int) -> Path:
+    return folder / f"text-{index:05d}.npz"
+
+
+def build_text_shards(decoder, seqs: list[tuple[list[int], list[int]]], folder: Path, per_shard: int = 128,
+                      top_k: int = 16, progress=None) -> list[Path]:
+    """Teacher-forced features for every window (see ``data.engine_features``), written as
+    shards; returns all shard paths in order."""
+    from .data import engine_features
+
+    folder.mkdir(parents=True, exist_ok=True)
+    n_shards = (len(seqs) + per_shard - 1) // per_shard
+    todo = [i for i in range(n_shards) if not text_shard_path(folder, i).is_file()]
+    paths, t0, done_now = [], time.perf_counter(), 0
+    for i in range(n_shards):
+        path = text_shard_path(folder, i)
+        paths.append(path)
+        if path.is_file():
+            continue
+        part = seqs[i * per_shard:(i + 1) * per_shard]
+        full = [p + a for p, a in part]
+        feats = [engine_features(decoder, s, top_k) for s in full]
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, tokens=np.concatenate([np.asarray(s, dtype=np.int32) for s in full]),
+                 offsets=np.cumsum([0] + [len(s) for s in full]).astype(np.int64),
+                 prompt_lens=np.asarray([len(p) for p, _ in part], dtype=np.int32),
+                 aux=np.concatenate([f[0] for f in feats]), top_ids=np.concatenate([f[1] for f in feats]),
+                 top_logp=np.concatenate([f[2] for f in feats]))
+        os.replace(tmp, path)
+        done_now += 1
+        if progress:
+            rate = (time.perf_counter() - t0) / done_now
+            progress(f"text shard {i + 1}/{n_shards}: {sum(len(a) for _, a in part)} tokens "
+                     f"({rate:.0f} s/shard, ETA {rate * (len(todo) - done_now) / 60:.1f} min)")
+    return paths
