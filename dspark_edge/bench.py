@@ -78,18 +78,16 @@ def verify_cost_curve(target: DecoderModel, depth: int = 128, repeats: int = 15,
 
 
 def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str, object, dict]],
-                  max_new_tokens: int = 128, progress=None, plain_pipe: Pipeline | None = None) -> dict:
+                  max_new_tokens: int = 128, progress=None) -> dict:
     """Interleaved comparison: for each prompt, every variant (name, drafter, config overrides)
     runs back to back, greedy, exactly ``max_new_tokens`` tokens. The first variant is the
     baseline: speedups are relative to it, and ``exact`` counts prompts whose tokens equal it.
-    A variant whose drafter is the string "plain_pipe" runs plainly on ``plain_pipe`` (a
-    pipeline opened without a drafter, so with its own session options)."""
+    Plain decoding (drafter None) runs on the same target session as the speculative variants,
+    whose options a drafter leaves as they are (``load`` only changes the drafter's own)."""
     base_cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
     rows: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
     warm = prompts[0].get("messages") or prompts[0]["prompt"]
     def run(drafter, prompt, overrides):
-        if isinstance(drafter, str) and drafter == "plain_pipe":
-            return plain_pipe.generate(prompt, base_cfg, **overrides)
         pipe.drafter = drafter
         return pipe.generate(prompt, base_cfg, **overrides)
 

@@ -337,20 +337,16 @@ def cmd_bench(args) -> int:
     if args.drafter:
         from .bench import bench_compare
 
-        drafter = pipe.drafter  # loaded with the target (a draft model also turns off thread spinning)
+        drafter = pipe.drafter  # loaded with the target
         ks = [int(k) for k in args.draft_tokens.split(",")] if args.draft_tokens else \
             [w - 1 for w in pipe.target.widths if w > 1]
-        variants = [("plain", None, {}), ("plain, own session", "plain_pipe", {}),
-                    (f"{drafter.name} auto", drafter, {})] + \
+        variants = [("plain", None, {}), (f"{drafter.name} auto", drafter, {})] + \
                    [(f"{drafter.name} k={k}", drafter, {"draft_tokens": k}) for k in ks]
 
         def progress_cmp(done, total, rates):
             bar.update(done, ", ".join(f"{n}: {v:.1f}" for n, v in rates.items()))
 
-        # "plain" shares the speculative pipeline's session options (thread spinning off when two
-        # sessions take turns); "plain, own session" is a pipeline opened without a drafter.
-        report["comparison"] = bench_compare(pipe, prompts, variants, args.max_new_tokens, progress=progress_cmp,
-                                             plain_pipe=_load(args))
+        report["comparison"] = bench_compare(pipe, prompts, variants, args.max_new_tokens, progress=progress_cmp)
     else:
         report["generation"] = bench_generation(pipe, prompts, args.max_new_tokens, progress=progress)
     bar.close()

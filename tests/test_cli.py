@@ -60,7 +60,7 @@ def test_bench_prints_measurements(tiny_engine):
             "--depth", "16", "--drafter", "ngram", "--draft-tokens", "1,3")
     assert c.returncode == 0, c.stderr
     variants = json.loads(c.stdout)["comparison"]["variants"]
-    assert set(variants) == {"plain", "plain, own session", "ngram auto", "ngram k=1", "ngram k=3"}
+    assert set(variants) == {"plain", "ngram auto", "ngram k=1", "ngram k=3"}
     assert variants["ngram k=3"]["exact_prompts"] == "1/1"
 
 
