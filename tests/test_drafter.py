@@ -445,3 +445,21 @@ def test_text_windows_cap_each_document_and_stop_at_the_budget():
     assert [len(a) for _, a in seqs] == [100] * 8 + [100, 100, 100]  # a: 8 windows at most; b: 300 tokens
     assert all(p == [99, 98] for p, _ in seqs)
     assert sum(len(a) for _, a in text_sequences(Tok(), docs, window=100, max_tokens=250)) == 300
+
+
+def test_recorded_held_out_set_is_kept_when_data_grows(tmp_path):
+    """A run's held-out answers are recorded; an extended run keeps them (whatever rule chose
+    them) and holds out new answers by the stable draw; text never is held out."""
+    from export.drafter.train import recorded_split, split
+
+    def fake(n):
+        return Sequences(np.zeros(n, np.int32), np.arange(n + 1, dtype=np.int64), np.zeros(n, np.int32),
+                         np.zeros((n, 1), np.float16), np.zeros((n, 1), np.int32), np.zeros((n, 1), np.float16))
+
+    tr, val = recorded_split(fake(300), tmp_path, 300)
+    assert np.array_equal(val, split(fake(300))[1]) and (tmp_path / "held_out.json").is_file()
+    (tmp_path / "held_out.json").write_text(json.dumps({"answers": 300, "held_out": [3, 5, 250]}))
+    tr, val = recorded_split(fake(700), tmp_path, 600)  # 300 more answers, then 100 text windows
+    assert {3, 5, 250} == set(val[val < 300])
+    assert set(val[val >= 300]) == set(split(fake(600))[1][split(fake(600))[1] >= 300])
+    assert set(range(600, 700)) <= set(tr) and not set(tr) & set(val) and len(tr) + len(val) == 700

@@ -122,7 +122,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     from .model import DraftConfig
     from .prompts import training_prompts
     from .text import build_text_shards, fingerprint, package_documents, text_sequences
-    from .train import TrainOptions, choose_draft_vocab, held_out_rounds, split, train
+    from .train import TrainOptions, choose_draft_vocab, held_out_rounds, recorded_split, train
 
     torch.manual_seed(opts.seed)
     manifest = read_manifest(opts.target_engine)
@@ -157,7 +157,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
         shards += build_text_shards(decoder, windows, opts.work / "text", progress=lambda s: progress("      " + s))
     del decoder
     data = load_shards(shards)
-    train_ids, val_ids = split(data, seed=opts.seed, answers=answers)
+    train_ids, val_ids = recorded_split(data, opts.work, answers, seed=opts.seed)
     vocab_path = opts.work / "vocab_ids.npy"
     if not vocab_path.is_file():
         np.save(vocab_path, choose_draft_vocab(data, opts.draft_vocab, manifest.model.vocab_size))

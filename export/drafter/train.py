@@ -77,6 +77,31 @@ def split(data: Sequences, held_out: float = 0.06, seed: int = 0, answers: int |
     return np.concatenate([np.flatnonzero(~val), np.arange(n, len(data))]), np.flatnonzero(val)
 
 
+HELD_OUT = "held_out.json"
+
+
+def recorded_split(data: Sequences, work: Path, answers: int, held_out: float = 0.06,
+                   seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``split`` that keeps the held-out set a run started with: ``work/held_out.json`` records
+    the held-out answers and how many answers existed; answers added later are held out by the
+    stable draw, earlier ones exactly as recorded. A resumed or extended run (more prompts, more
+    text) is thus always validated on answers its checkpoint never trained on, whatever rule
+    chose them. Written on first use."""
+    path = work / HELD_OUT
+    if not path.is_file():
+        _, val = split(data, held_out, seed, answers)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"answers": answers, "held_out": [int(i) for i in val]}) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    rec = json.loads(path.read_text(encoding="utf-8"))
+    known = min(int(rec["answers"]), answers)
+    u = np.random.default_rng(seed).random(answers)
+    val = np.zeros(answers, dtype=bool)
+    val[[i for i in rec["held_out"] if i < answers]] = True
+    val[known:] = u[known:] < held_out
+    return np.concatenate([np.flatnonzero(~val), np.arange(answers, len(data))]), np.flatnonzero(val)
+
+
 def sampling_weights(train_ids: np.ndarray, answers: int, text_share: float) -> np.ndarray | None:
     """Per-sequence probabilities giving teacher-forced text (ids ≥ ``answers``) ``text_share``
     of the draws; None (uniform) when there is no text."""
