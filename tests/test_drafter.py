@@ -237,6 +237,20 @@ def test_dspark_speculation_is_exact_greedy(tiny_with_drafter, precision):
     assert s1.token_ids == s2.token_ids and len(s1.token_ids) == 30
 
 
+def test_only_the_drafter_session_stops_spinning(tiny_with_drafter):
+    """The target keeps spinning threads (waking them per operator costs ~20 % a pass); the
+    drafter's must not spin after its short pass, or they take the target's cores."""
+    import dspark_edge
+
+    def spinning(session):
+        return session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
+
+    engine, _, _ = tiny_with_drafter
+    spec = dspark_edge.load(engine, "fp32", drafter="dspark", scheduler=False)
+    assert spinning(spec.target.session.session) == "1" and spinning(spec.drafter.session) == "0"
+    spec.close()
+
+
 class _CyclingScheduler:
     """Wraps the real scheduler but switches the verify width every round."""
 
