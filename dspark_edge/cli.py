@@ -429,7 +429,8 @@ def cmd_inspect(args) -> int:
     if m.drafter is not None:
         d = m.drafter
         print(f"drafter    dspark: {d.num_layers} layers, {d.slots} slots, draft vocab {d.draft_vocab}, Markov rank "
-              f"{d.markov_rank}, calibrated T {' '.join(f'{t:.2f}' for t in d.temperatures)}")
+              f"{d.markov_rank}, calibrated T {' '.join(f'{t:.2f}' for t in d.temperatures)}"
+              + (f", b {' '.join(f'{b:+.2f}' for b in d.biases)}" if d.biases else ""))
     print(f"profile    {status}" + (f" ({prof.device_key}, {prof.created_utc})" if prof else
                                     " (run `python -m dspark_edge profile --engine ...`)"))
     print(f"telemetry  {', '.join(sources)}")

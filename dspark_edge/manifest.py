@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,16 +158,21 @@ class DrafterInfo:
     num_kv_heads: int
     head_dim: int
     feature_layers: tuple[int, ...]
-    temperatures: tuple[float, ...]  # sequential temperature scaling, one per draft position
+    temperatures: tuple[float, ...]  # calibration c_k = σ(z_k / T_k + b_k), one per draft position
     tables: str
     embedding: str
     provenance: dict[str, str]
+    biases: tuple[float, ...] = ()  # b_k; empty: all 0 (drafters calibrated by temperature alone)
 
     def __post_init__(self) -> None:
         if len(self.temperatures) != self.slots:
             raise ValueError(f"temperatures has {len(self.temperatures)} entries for {self.slots} slots")
-        if any(t <= 0 for t in self.temperatures):
-            raise ValueError("temperatures must be positive")
+        if any(not (t > 0 and math.isfinite(t)) for t in self.temperatures):
+            raise ValueError("temperatures must be positive and finite")
+        if self.biases and len(self.biases) != self.slots:
+            raise ValueError(f"biases has {len(self.biases)} entries for {self.slots} slots (or leave it out)")
+        if any(not math.isfinite(b) for b in self.biases):
+            raise ValueError("biases must be finite")
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,27 @@ def test_calibration_reduces_ece_on_a_miscalibrated_set():
         assert pos["ece_after"] < 0.03
     assert 2.0 < temps[0] < 4.5
     assert 0.5 < rep["positions"][0]["auroc"] <= 1.0
+    temps, biases = calibrate.fit_calibration(z, accepted)
+    assert 2.0 < temps[0] < 4.5 and abs(biases[0]) < 0.3  # nothing to shift: the bias stays near 0
+    assert all(p["ece_after"] < 0.03 for p in calibrate.report(z, accepted, temps, biases)["positions"])
+
+
+def test_calibration_with_a_bias_fixes_a_shift_that_temperature_cannot():
+    """Confidences shifted (true logit = z - 1.5): temperature alone leaves a large ECE, the
+    bias removes it, and the calibrated confidences keep their spread (the scheduler needs it)."""
+    rng = np.random.default_rng(1)
+    n, slots = 6000, 3
+    z = rng.normal(0.5, 1.5, (n, slots))
+    accepted = np.cumprod(rng.random((n, slots)) < calibrate.sigmoid(z - 1.5), axis=1).sum(1)
+    t_only = calibrate.report(z, accepted, calibrate.fit_temperatures(z, accepted))
+    temps, biases = calibrate.fit_calibration(z, accepted)
+    rep = calibrate.report(z, accepted, temps, biases)
+    assert t_only["positions"][0]["ece_after"] > 0.05
+    assert all(p["ece_after"] < 0.02 for p in rep["positions"])
+    assert -2.0 < biases[0] < -1.0 and 0.7 < temps[0] < 1.4
+    a1 = calibrate.survival(z, temps, biases)[:, 0]
+    assert np.percentile(a1, 90) - np.percentile(a1, 10) > 0.4
+    assert rep["biases"] == [float(b) for b in biases]
 
 
 def test_auroc_and_ece_reference_values():
@@ -193,10 +214,10 @@ def test_train_and_install_write_a_complete_drafter(tiny_with_drafter):
     meta = json.loads((weights / "drafter.json").read_text())
     assert "teacher-forced tokens" in meta["training"]["data"] and "fingerprint" in meta["training"]["data"]
     rep = json.loads((weights / "calibration.json").read_text())
-    assert len(rep["temperatures"]) == 3 and len(rep["positions"]) == 3
+    assert len(rep["temperatures"]) == 3 and len(rep["positions"]) == 3 and len(rep["biases"]) == 3
     assert (weights / "reliability.png").stat().st_size > 1000
     m = read_manifest(engine)
-    assert m.drafter is not None and m.drafter.slots == 3
+    assert m.drafter is not None and m.drafter.slots == 3 and len(m.drafter.biases) == 3
     assert m.widths("drafter", "fp32") == (2, 4) and m.widths("drafter", "int8") == (2, 4)
     assert m.widths("drafter", "fp16") == (2, 4)
     assert {v.precision: v.device for v in m.variants_for("drafter")} == {"fp32": "any", "int8": "any", "fp16": "gpu"}
@@ -477,3 +498,19 @@ def test_recorded_held_out_set_is_kept_when_data_grows(tmp_path):
     assert {3, 5, 250} == set(val[val < 300])
     assert set(val[val >= 300]) == set(split(fake(600))[1][split(fake(600))[1] >= 300])
     assert set(range(600, 700)) <= set(tr) and not set(tr) & set(val) and len(tr) + len(val) == 700
+
+
+def test_drafter_info_checks_its_calibration():
+    import dataclasses
+
+    from dspark_edge.manifest import DrafterInfo
+
+    base = DrafterInfo(kind="dspark", slots=3, draft_vocab=10, markov_rank=2, num_layers=1, num_kv_heads=1,
+                       head_dim=4, feature_layers=(1,), temperatures=(1.0, 1.0, 1.0), tables="t.npz",
+                       embedding="e.npy", provenance={})
+    assert base.biases == ()  # drafters calibrated by temperature alone still load
+    assert dataclasses.replace(base, biases=(0.1, -0.2, 0.0)).biases[1] == -0.2
+    for bad in [{"biases": (0.1,)}, {"biases": (0.0, float("nan"), 0.0)}, {"temperatures": (1.0, 0.0, 1.0)},
+                {"temperatures": (1.0, float("inf"), 1.0)}]:
+        with pytest.raises(ValueError):
+            dataclasses.replace(base, **bad)

@@ -8,7 +8,7 @@ sequential step runs in numpy, left to right:
 
     r_k = W1[x_{k-1}]                   (x_0 = anchor)
     p_k = softmax(U_k + r_k · W2)       → x_k (argmax, or a draw for sampling)
-    c_k = σ((w · [h_k ; r_k] + b) / T_k)   calibrated confidence, known before x_k is drawn
+    c_k = σ((w · [h_k ; r_k] + b) / T_k + b_k)   calibrated confidence, known before x_k is drawn
 
 The LM head runs once per block inside the graph; the sequential step touches an r-wide row
 and an r × Vd matrix. Drafts live in the draft vocabulary (``vocab_ids``); q is returned over
@@ -91,6 +91,7 @@ class DSparkDrafter:
         self.to_draft = np.full(manifest.model.vocab_size, self.vocab_ids.size, dtype=np.int64)
         self.to_draft[self.vocab_ids] = np.arange(self.vocab_ids.size)
         self.temperatures = np.asarray(info.temperatures, dtype=np.float64)
+        self.biases = np.asarray(info.biases or (0.0,) * info.slots, dtype=np.float64)
         self.hidden_size = manifest.model.hidden_size
         self.vocab_size = manifest.model.vocab_size
         self.feature_dim = manifest.model.hidden_size * len(info.feature_layers)
@@ -150,7 +151,7 @@ class DSparkDrafter:
 
         idx, z = sequential_step(u[:k], h[:k], int(self.to_draft[anchor]), self.w1, self.w2, self.conf_w,
                                  self.conf_b, choose)
-        conf = sigmoid(z / self.temperatures[:k])
+        conf = sigmoid(z / self.temperatures[:k] + self.biases[:k])
         return Draft(self.vocab_ids[idx], np.stack(qs) if qs else None, conf)
 
     def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:

@@ -186,18 +186,19 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     progress("[4/4] calibrating the confidence head on held-out rounds")
     accepted, z, _ = held_out_rounds(model, data, val_ids, cfg.slots, anchors=None)
     half = np.random.default_rng(opts.seed).permutation(accepted.size) < accepted.size // 2
-    temps = calibrate.fit_temperatures(z[half], accepted[half])
-    rep = calibrate.report(z[~half], accepted[~half], temps)
+    temps, biases = calibrate.fit_calibration(z[half], accepted[half])
+    rep = calibrate.report(z[~half], accepted[~half], temps, biases)
     rep["fit_blocks"] = int(half.sum())
     stage = opts.output.parent / f".{opts.output.name}.partial"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     calibrate.write_report(rep, stage / "calibration.json")
-    calibrate.reliability_png(z[~half], accepted[~half], temps, stage / "reliability.png")
+    calibrate.reliability_png(z[~half], accepted[~half], temps, stage / "reliability.png", biases=biases)
     meta = {
         "target": {"name": manifest.model.name, "source_sha256": manifest.model.source_sha256,
                    "hidden_state_layers": list(manifest.hidden_state_layers)},
         "temperatures": [float(t) for t in temps],
+        "biases": [float(b) for b in biases],
         "training": {"command": " ".join(sys.argv), "options": {k: str(v) for k, v in asdict(opts).items()},
                      "data": f"the target's greedy answers to {opts.prompts} project prompts "
                              "(export/drafter/prompts.py) and its FP32 engine's teacher-forced features; "

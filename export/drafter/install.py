@@ -135,6 +135,7 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
     info = DrafterInfo(kind="dspark", slots=slots, draft_vocab=cfg.draft_vocab, markov_rank=cfg.markov_rank,
                        num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                        feature_layers=tuple(cfg.feature_layers), temperatures=tuple(meta["temperatures"]),
+                       biases=tuple(meta.get("biases", ())),
                        tables=rel("tables.npz"), embedding=rel("embedding.npy"),
                        provenance={"weights": str(weights), "training_data": training["data"],
                                    "training_steps": str(training["steps"]),
