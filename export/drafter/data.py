@@ -94,38 +94,49 @@ def engine_features(decoder, seq: list[int], top_k: int, chunk: int = 128):
     return np.concatenate(aux), np.concatenate(top_ids), np.concatenate(top_logp)
 
 
+def write_shard(path: Path, decoder, seqs: list[tuple[list[int], list[int]]], top_k: int) -> None:
+    """One shard of (prompt ids, answer ids) sequences with the engine's features, renamed into
+    place when complete."""
+    full = [p + a for p, a in seqs]
+    feats = [engine_features(decoder, s, top_k) for s in full]
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, tokens=np.concatenate([np.asarray(s, dtype=np.int32) for s in full]),
+             offsets=np.cumsum([0] + [len(s) for s in full]).astype(np.int64),
+             prompt_lens=np.asarray([len(p) for p, _ in seqs], dtype=np.int32),
+             aux=np.concatenate([f[0] for f in feats]), top_ids=np.concatenate([f[1] for f in feats]),
+             top_logp=np.concatenate([f[2] for f in feats]))
+    os.replace(tmp, path)
+
+
+def fill_shards(paths: list[Path], make, label: str, progress=None) -> None:
+    """``make(i)`` for every shard path not written yet (it writes ``paths[i]`` and returns what
+    it holds, for the progress line with the rate and ETA)."""
+    todo = [i for i, p in enumerate(paths) if not p.is_file()]
+    t0 = time.perf_counter()
+    for done, i in enumerate(todo, 1):
+        what = make(i)
+        if progress:
+            rate = (time.perf_counter() - t0) / done
+            progress(f"{label} shard {i + 1}/{len(paths)}: {what} ({rate:.0f} s/shard, "
+                     f"ETA {rate * (len(todo) - done) / 60:.1f} min)")
+
+
 def build_shards(model, decoder, tokenizer, prompts: list[dict], folder: Path, eos_id: int, pad_id: int,
                  max_new_tokens: int = 192, per_shard: int = 64, top_k: int = 16, progress=None) -> list[Path]:
     """Write every missing shard; returns all shard paths in order. ``model`` (PyTorch) writes
     the greedy answers in one batch per shard; ``decoder`` (the target's FP32 engine) gives the
     features."""
     folder.mkdir(parents=True, exist_ok=True)
-    n_shards = (len(prompts) + per_shard - 1) // per_shard
-    paths, t0, done_now = [], time.perf_counter(), 0
-    todo = [i for i in range(n_shards) if not _shard_path(folder, i).is_file()]
-    for i in range(n_shards):
-        path = _shard_path(folder, i)
-        paths.append(path)
-        if path.is_file():
-            continue
+    paths = [_shard_path(folder, i) for i in range((len(prompts) + per_shard - 1) // per_shard)]
+
+    def make(i: int) -> str:
         recs = prompts[i * per_shard:(i + 1) * per_shard]
         prompt_ids = [tokenizer.encode_chat(r["messages"]) for r in recs]
         answers = generate_answers(model, prompt_ids, max_new_tokens, eos_id, pad_id, per_shard)
-        seqs = [p + a for p, a in zip(prompt_ids, answers)]
-        feats = [engine_features(decoder, s, top_k) for s in seqs]
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, tokens=np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]),
-                 offsets=np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64),
-                 prompt_lens=np.asarray([len(p) for p in prompt_ids], dtype=np.int32),
-                 aux=np.concatenate([f[0] for f in feats]), top_ids=np.concatenate([f[1] for f in feats]),
-                 top_logp=np.concatenate([f[2] for f in feats]))
-        os.replace(tmp, path)
-        done_now += 1
-        if progress:
-            rate = (time.perf_counter() - t0) / done_now
-            left = rate * (len(todo) - done_now)
-            progress(f"data shard {i + 1}/{n_shards}: {sum(len(a) for a in answers)} answer tokens "
-                     f"({rate:.0f} s/shard, ETA {left / 60:.1f} min)")
+        write_shard(paths[i], decoder, list(zip(prompt_ids, answers)), top_k)
+        return f"{sum(len(a) for a in answers)} answer tokens"
+
+    fill_shards(paths, make, "data", progress)
     return paths
 
 

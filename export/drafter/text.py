@@ -22,13 +22,9 @@ from __future__ import annotations
 
 import email.parser
 import hashlib
-import os
 import sysconfig
-import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 SKIP_DISTRIBUTIONS = ("dspark_edge", "dspark-edge")
 MIN_CHARS = 2000
@@ -107,32 +103,17 @@ def text_shard_path(folder: Path, index: int) -> Path:
 
 def build_text_shards(decoder, seqs: list[tuple[list[int], list[int]]], folder: Path, per_shard: int = 128,
                       top_k: int = 16, progress=None) -> list[Path]:
-    """Teacher-forced features for every window (see ``data.engine_features``), written as
-    shards; returns all shard paths in order."""
-    from .data import engine_features
+    """Teacher-forced features for every window (``data.write_shard``), written as shards;
+    returns all shard paths in order."""
+    from .data import fill_shards, write_shard
 
     folder.mkdir(parents=True, exist_ok=True)
-    n_shards = (len(seqs) + per_shard - 1) // per_shard
-    todo = [i for i in range(n_shards) if not text_shard_path(folder, i).is_file()]
-    paths, t0, done_now = [], time.perf_counter(), 0
-    for i in range(n_shards):
-        path = text_shard_path(folder, i)
-        paths.append(path)
-        if path.is_file():
-            continue
+    paths = [text_shard_path(folder, i) for i in range((len(seqs) + per_shard - 1) // per_shard)]
+
+    def make(i: int) -> str:
         part = seqs[i * per_shard:(i + 1) * per_shard]
-        full = [p + a for p, a in part]
-        feats = [engine_features(decoder, s, top_k) for s in full]
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, tokens=np.concatenate([np.asarray(s, dtype=np.int32) for s in full]),
-                 offsets=np.cumsum([0] + [len(s) for s in full]).astype(np.int64),
-                 prompt_lens=np.asarray([len(p) for p, _ in part], dtype=np.int32),
-                 aux=np.concatenate([f[0] for f in feats]), top_ids=np.concatenate([f[1] for f in feats]),
-                 top_logp=np.concatenate([f[2] for f in feats]))
-        os.replace(tmp, path)
-        done_now += 1
-        if progress:
-            rate = (time.perf_counter() - t0) / done_now
-            progress(f"text shard {i + 1}/{n_shards}: {sum(len(a) for _, a in part)} tokens "
-                     f"({rate:.0f} s/shard, ETA {rate * (len(todo) - done_now) / 60:.1f} min)")
+        write_shard(paths[i], decoder, part, top_k)
+        return f"{sum(len(a) for _, a in part)} tokens"
+
+    fill_shards(paths, make, "text", progress)
     return paths
