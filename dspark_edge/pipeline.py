@@ -283,8 +283,6 @@ class TextStream:
             p._restore_drafter()
         drafter = p.drafter if cfg.speculative else None
         sched = p.scheduler if (drafter is not None and cfg.draft_tokens is None) else None
-        if sched is not None:
-            sched.begin()
         max_drafts = max(widths_listed) - 1
         if cfg.draft_tokens is not None:
             if cfg.draft_tokens + 1 not in widths_listed:

@@ -209,12 +209,6 @@ class Scheduler:
         self._spec_rounds = 0
         self.decisions: deque[Decision] = deque(maxlen=self.config.max_record)
 
-    def begin(self) -> None:
-        """A new generation: whether speculation pays depends on the text (a drafter that loses
-        on chat may win on arithmetic), so the gate judges each generation on its own rounds.
-        What belongs to the device (cost corrections, modes, memory state) carries over."""
-        self.spec_rate, self._spec_rounds, self._since_probe = None, 0, 0
-
     # -- modes ------------------------------------------------------------------------------
     def update_modes(self, snap: Snapshot) -> None:
         cfg, t = self.config, snap.max_temp_c

@@ -208,20 +208,6 @@ def test_gate_stops_drafting_when_speculation_does_not_pay_and_probes():
     assert not sched.gated and sched.wants_draft(snap)
 
 
-def test_each_generation_is_judged_on_its_own_rounds():
-    """A generation where drafts did not pay closes the gate; the next one (another text) starts
-    open, while the device's cost corrections carry over."""
-    sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS, SchedulerConfig(probe_every=5))
-    for _ in range(4):
-        sched.observe_round(1, 45.0)
-    assert sched.gated
-    for _ in range(3):
-        sched.observe(2, 80.0)
-    corrected = sched.costs.verify(2)
-    sched.begin()
-    assert not sched.gated and sched.wants_draft(_snap()) and sched.costs.verify(2) == corrected > CURVE[2]
-
-
 def test_drafting_cost_is_sunk_within_a_round():
     # With drafting already paid, width 2 beats width 1 for any useful first draft.
     sched = Scheduler(CostModel(CURVE, 20.0), WIDTHS)
