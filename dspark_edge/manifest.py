@@ -102,14 +102,14 @@ class GraphIO:
     def __post_init__(self) -> None:
         if self.kv_layout == "shared_buffer" and not self.attention_mask:
             raise ValueError("kv_layout shared_buffer needs an attention_mask input")
+        for key in ("past_key", "past_value", "present_key", "present_value"):
+            if "{layer}" not in getattr(self, key):
+                raise ValueError(f"{key} {getattr(self, key)!r} must contain '{{layer}}'")
 
     def kv_names(self, num_layers: int) -> list[tuple[str, str]]:
         """(past, present) tensor names of every KV buffer: layer 0 key, layer 0 value, layer 1 key, …"""
         return [(past.format(layer=i), present.format(layer=i)) for i in range(num_layers)
                 for past, present in ((self.past_key, self.present_key), (self.past_value, self.present_value))]
-        for key in ("past_key", "past_value", "present_key", "present_value"):
-            if "{layer}" not in getattr(self, key):
-                raise ValueError(f"{key} {getattr(self, key)!r} must contain '{{layer}}'")
 
 
 @dataclass(frozen=True)

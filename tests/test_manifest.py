@@ -101,3 +101,17 @@ def test_corrupted_graph_with_matching_manifest(engine_copy):
     write_manifest(replace(m, files=files), engine_copy)
     with pytest.raises(EngineError, match="could not load"):
         dspark_edge.load(engine_copy)
+
+
+def test_kv_names_need_the_layer_placeholder():
+    import dataclasses
+
+    from dspark_edge.manifest import GraphIO
+    from export.portable import PORTABLE_IO
+
+    assert PORTABLE_IO.kv_names(2)[1] == (PORTABLE_IO.past_value.format(layer=0),
+                                          PORTABLE_IO.present_value.format(layer=0))
+    for key in ("past_key", "past_value", "present_key", "present_value"):
+        with pytest.raises(ValueError, match="must contain"):
+            dataclasses.replace(PORTABLE_IO, **{key: "no_placeholder"})
+    assert isinstance(PORTABLE_IO, GraphIO)
