@@ -31,12 +31,12 @@ def main() -> int:
 
     from dspark_edge.errors import ConfigError
     from export.drafter.build import load_drafter
-    from export.drafter.data import load_shards
+    from export.drafter.data import load_shards, shard_path
     from export.drafter.train import held_out_rounds, recorded_split
     from export.sources import load_source, resolve_source
 
-    per_shard = 64
-    shards = [args.work / "data" / f"shard-{i:05d}.npz" for i in range((args.prompts + per_shard - 1) // per_shard)]
+    per_shard = 64  # build_shards' default, which train-drafter uses
+    shards = [shard_path(args.work / "data", i) for i in range((args.prompts + per_shard - 1) // per_shard)]
     missing = [str(p) for p in shards if not p.is_file()]
     if missing:
         raise ConfigError(f"answer shards missing: {', '.join(missing)}; run `python -m export train-drafter` "

@@ -57,9 +57,9 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     drafter_options = options
     if isinstance(drafter, (str, Path)) and str(drafter) not in ("ngram", "none"):
         # Two sessions take turns on the same cores. The drafter's threads must not spin-wait
-        # after its short pass (they would take the cores of the target pass that follows);
-        # the target keeps its setting: without spinning, waking its threads for every
-        # operator cost about 20 % per pass (43 vs 35 ms at width 2, 2-core EPYC).
+        # after its short pass (a spinning drafter made the next width-2 target pass 61 instead
+        # of 40 ms, 2-core EPYC); the target keeps its own setting (docs/PERFORMANCE.md, "Two
+        # thread pools and BLAS").
         drafter_options = replace(options or BackendOptions(), allow_spinning=False)
         log.info("drafter in use: onnxruntime thread spinning disabled for the drafter's session")
     precision = precision or (manifest.precisions("target", backend) or [None])[0]

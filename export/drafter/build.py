@@ -118,7 +118,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
 
     from ..sources import load_source, resolve_source
     from . import calibrate
-    from .data import build_shards, load_shards
+    from .data import build_shards, count_sequences, load_shards
     from .model import DraftConfig
     from .prompts import training_prompts
     from .text import build_text_shards, fingerprint, package_documents, text_sequences
@@ -145,7 +145,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     tok = Tokenizer.from_engine(opts.target_engine, manifest)
     shards = build_shards(target, decoder, tok, prompts[:opts.prompts], opts.work / "data", manifest.tokenizer.eos_ids[0],
                           manifest.tokenizer.pad_id, opts.max_new_tokens, progress=lambda s: progress("      " + s))
-    answers = len(load_shards(shards).prompt_lens)
+    answers = count_sequences(shards)
     text_note = "no teacher-forced text"
     if opts.text_tokens:
         docs = package_documents()

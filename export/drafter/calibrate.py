@@ -76,40 +76,36 @@ def labels_of(accepted: np.ndarray, slots: int) -> np.ndarray:
     return (accepted[:, None] >= np.arange(1, slots + 1)[None, :]).astype(np.float64)
 
 
-def fit_temperatures(z: np.ndarray, accepted: np.ndarray) -> np.ndarray:
-    """STS: T_k left to right by grid search on ECE of the survival a_k."""
-    n, slots = z.shape
-    y = labels_of(accepted, slots)
-    temps = np.ones(slots)
-    prefix = np.ones(n)
-    for k in range(slots):
-        best, best_t = np.inf, 1.0
-        for t in GRID:
-            e = ece(prefix * sigmoid(z[:, k] / t), y[:, k])
-            if e < best:
-                best, best_t = e, t
-        temps[k] = best_t
-        prefix = prefix * sigmoid(z[:, k] / best_t)
-    return temps
-
-
-def fit_calibration(z: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(T [γ], b [γ]) left to right by grid search on the log-loss of the survival a_k (see the
-    module docstring)."""
+def _fit_sequential(z: np.ndarray, accepted: np.ndarray, score, temps_grid: np.ndarray,
+                    bias_grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(T [γ], b [γ]) left to right: position k's pair is the grid point with the lowest
+    ``score(a_k, label_k)`` with the earlier positions already fixed."""
     n, slots = z.shape
     y = labels_of(accepted, slots)
     temps, biases, prefix = np.ones(slots), np.zeros(slots), np.ones(n)
     for k in range(slots):
         best = (np.inf, 1.0, 0.0)
-        for t in GRID[::4]:
+        for t in temps_grid:
             scaled = z[:, k] / t
-            for b in BIAS_GRID:
-                loss = log_loss(prefix * sigmoid(scaled + b), y[:, k])
-                if loss < best[0]:
-                    best = (loss, float(t), float(b))
+            for b in bias_grid:
+                value = score(prefix * sigmoid(scaled + b), y[:, k])
+                if value < best[0]:
+                    best = (value, float(t), float(b))
         temps[k], biases[k] = best[1], best[2]
         prefix = prefix * sigmoid(z[:, k] / temps[k] + biases[k])
     return temps, biases
+
+
+def fit_temperatures(z: np.ndarray, accepted: np.ndarray) -> np.ndarray:
+    """The plain form: T_k alone, left to right, by grid search on the ECE of the survival a_k
+    (kept to compare with; see the module docstring)."""
+    return _fit_sequential(z, accepted, ece, GRID, np.zeros(1))[0]
+
+
+def fit_calibration(z: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(T [γ], b [γ]) left to right by grid search on the log-loss of the survival a_k (see the
+    module docstring)."""
+    return _fit_sequential(z, accepted, log_loss, GRID[::4], BIAS_GRID)
 
 
 def report(z: np.ndarray, accepted: np.ndarray, temperatures: np.ndarray, biases: np.ndarray | None = None) -> dict:

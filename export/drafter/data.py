@@ -41,7 +41,7 @@ class Sequences:
         return int(self.offsets[i]), int(self.offsets[i + 1])
 
 
-def _shard_path(folder: Path, index: int) -> Path:
+def shard_path(folder: Path, index: int) -> Path:
     return folder / f"shard-{index:05d}.npz"
 
 
@@ -127,7 +127,7 @@ def build_shards(model, decoder, tokenizer, prompts: list[dict], folder: Path, e
     the greedy answers in one batch per shard; ``decoder`` (the target's FP32 engine) gives the
     features."""
     folder.mkdir(parents=True, exist_ok=True)
-    paths = [_shard_path(folder, i) for i in range((len(prompts) + per_shard - 1) // per_shard)]
+    paths = [shard_path(folder, i) for i in range((len(prompts) + per_shard - 1) // per_shard)]
 
     def make(i: int) -> str:
         recs = prompts[i * per_shard:(i + 1) * per_shard]
@@ -138,6 +138,15 @@ def build_shards(model, decoder, tokenizer, prompts: list[dict], folder: Path, e
 
     fill_shards(paths, make, "data", progress)
     return paths
+
+
+def count_sequences(paths: list[Path]) -> int:
+    """Sequences in these shards, reading only their prompt lengths (not the features)."""
+    total = 0
+    for p in paths:
+        with np.load(p) as shard:
+            total += int(shard["prompt_lens"].shape[0])
+    return total
 
 
 def load_shards(paths: list[Path]) -> Sequences:

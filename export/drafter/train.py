@@ -87,18 +87,18 @@ def recorded_split(data: Sequences, work: Path, answers: int, held_out: float = 
     stable draw, earlier ones exactly as recorded. A resumed or extended run (more prompts, more
     text) is thus always validated on answers its checkpoint never trained on, whatever rule
     chose them. Written on first use."""
+    _, fresh = split(data, held_out, seed, answers)
     path = work / HELD_OUT
     if not path.is_file():
-        _, val = split(data, held_out, seed, answers)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"answers": answers, "held_out": [int(i) for i in val]}) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps({"answers": answers, "held_out": [int(i) for i in fresh]}) + "\n",
+                       encoding="utf-8")
         os.replace(tmp, path)
     rec = json.loads(path.read_text(encoding="utf-8"))
     known = min(int(rec["answers"]), answers)
-    u = np.random.default_rng(seed).random(answers)
     val = np.zeros(answers, dtype=bool)
-    val[[i for i in rec["held_out"] if i < answers]] = True
-    val[known:] = u[known:] < held_out
+    val[[i for i in rec["held_out"] if i < known]] = True
+    val[fresh[fresh >= known]] = True
     return np.concatenate([np.flatnonzero(~val), np.arange(answers, len(data))]), np.flatnonzero(val)
 
 
