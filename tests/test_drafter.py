@@ -514,3 +514,13 @@ def test_drafter_info_checks_its_calibration():
                 {"temperatures": (1.0, float("inf"), 1.0)}]:
         with pytest.raises(ValueError):
             dataclasses.replace(base, **bad)
+
+
+def test_text_shards_made_from_other_windows_are_refused(tmp_path):
+    from dspark_edge.errors import ExportError
+    from export.drafter.text import build_text_shards
+
+    assert build_text_shards(None, [], tmp_path) == []  # records the (empty) window set
+    with pytest.raises(ExportError, match="delete"):
+        build_text_shards(None, [([1, 2], [3, 4])], tmp_path)
+    assert not list(tmp_path.glob("text-*.npz"))

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import email.parser
 import hashlib
+import itertools
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 SKIP_DISTRIBUTIONS = ("dspark_edge", "dspark-edge")
 MIN_CHARS = 2000
+WINDOWS_DIGEST = "windows.sha256"
 
 
 @dataclass(frozen=True)
@@ -60,10 +62,7 @@ def package_documents(site_dirs: list[Path] | None = None, stdlib: Path | None =
         text = path.read_text(encoding="utf-8", errors="replace")
         if len(text) >= MIN_CHARS:
             code.append(Document(f"code:{path.stem}", text))
-    out: list[Document] = []
-    for i in range(max(len(prose), len(code))):
-        out += [d for d in (prose[i] if i < len(prose) else None, code[i] if i < len(code) else None) if d]
-    return out
+    return [d for pair in itertools.zip_longest(prose, code) for d in pair if d is not None]
 
 
 def prompt_for(doc: Document) -> list[dict]:
@@ -104,10 +103,23 @@ def text_shard_path(folder: Path, index: int) -> Path:
 def build_text_shards(decoder, seqs: list[tuple[list[int], list[int]]], folder: Path, per_shard: int = 128,
                       top_k: int = 16, progress=None) -> list[Path]:
     """Teacher-forced features for every window (``data.write_shard``), written as shards;
-    returns all shard paths in order."""
+    returns all shard paths in order. The folder records a digest of the windows: shards made
+    from other windows (other installed packages, another ``--text-tokens``) are refused, never
+    mixed in."""
+    from dspark_edge.errors import ExportError
+
     from .data import fill_shards, write_shard
 
     folder.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256(f"{per_shard} {top_k}".encode())
+    for prompt, answer in seqs:
+        h.update(repr((prompt, answer)).encode())
+    marker, digest = folder / WINDOWS_DIGEST, h.hexdigest()
+    if not marker.is_file():
+        marker.write_text(digest + "\n", encoding="utf-8")
+    elif marker.read_text(encoding="utf-8").strip() != digest:
+        raise ExportError(f"the text shards in {folder} were made from other text (the installed packages or "
+                          f"--text-tokens changed since); delete {folder} to rebuild them, or pass --text-tokens 0")
     paths = [text_shard_path(folder, i) for i in range((len(seqs) + per_shard - 1) // per_shard)]
 
     def make(i: int) -> str:
