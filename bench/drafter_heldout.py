@@ -35,6 +35,8 @@ def main() -> int:
     from export.drafter.train import held_out_rounds, recorded_split
     from export.sources import load_source, resolve_source
 
+    if args.prompts < 1:
+        raise ConfigError(f"--prompts must be at least 1, got {args.prompts}")
     per_shard = 64  # build_shards' default, which train-drafter uses
     shards = [shard_path(args.work / "data", i) for i in range((args.prompts + per_shard - 1) // per_shard)]
     missing = [str(p) for p in shards if not p.is_file()]

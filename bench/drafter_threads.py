@@ -74,6 +74,10 @@ def main() -> int:
     ap.add_argument("--one", nargs=2, type=int, metavar=("TARGET_SPINS", "DRAFTER_SPINS"),
                     help="measure one setting in this process (used by the parent run)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        from dspark_edge.errors import ConfigError
+
+        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
     if args.one:
         print(json.dumps(measure(args.engine, bool(args.one[0]), bool(args.one[1]), args.repeats)), flush=True)
         return 0
