@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--text-tokens", type=int, default=200_000,
                     help="teacher-forced tokens of installed package text (READMEs, standard-library modules) "
                          "added to the answers; 0 = none (default: %(default)s)")
+    tr.add_argument("--copy-prompts", type=int, default=256,
+                    help="copy tasks (summarise / rewrite / explain a paragraph or function from the installed "
+                         "documents) to answer, 0 for none (default: %(default)s)")
     tr.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: %(default)s)")
     tr.add_argument("--layers", type=int, default=2, help="backbone layers (default: %(default)s)")
     tr.add_argument("--slots", type=int, default=7, help="drafts per block (default: %(default)s)")
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             train_drafter(TrainDrafterOptions(
                 target_engine=args.target, output=args.output, work=args.work, source=args.source,
                 prompts=args.prompts, max_new_tokens=args.max_new_tokens, text_tokens=args.text_tokens,
+                copy_prompts=args.copy_prompts,
                 layers=args.layers, slots=args.slots,
                 draft_vocab=args.draft_vocab, markov_rank=args.markov_rank, steps=args.steps, lr=args.lr),
                 progress=progress)

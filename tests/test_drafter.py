@@ -524,3 +524,52 @@ def test_text_shards_made_from_other_windows_are_refused(tmp_path):
     with pytest.raises(ExportError, match="delete"):
         build_text_shards(None, [([1, 2], [3, 4])], tmp_path)
     assert not list(tmp_path.glob("text-*.npz"))
+
+
+def test_copy_prompts_carry_their_text_and_skip_what_is_not_prose():
+    from export.drafter.prompts import code_snippets, copy_prompts, prose_paragraphs
+    from export.drafter.text import Document
+
+    para = ("The river runs through the valley and feeds the farms on both of its banks, which is why the "
+            "villages grew along it. Every spring the water rises, and the farmers plant their fields only "
+            "after the flood has passed, so the soil is rich and the harvest is large.")
+    readme = "\n\n".join(["# Title", para, "- a list item " * 20, "```\ncode = 1\n```", "Short line."])
+    assert prose_paragraphs(readme) == [para]
+    source = ("def small(x):\n    return x\n\n"
+              "def helper(items):\n    out = []\n    for item in items:\n        if item:\n"
+              "            out.append(item)\n    return out\n\n"
+              "def _private(a):\n    b = a\n    c = b\n    d = c\n    return d\n")
+    assert code_snippets(source) == [source.split("\n\n")[1]]
+    assert code_snippets("def broken(:\n") == []
+    docs = [Document("prose:pkg", readme), Document("code:mod", f'"""{para}"""\n\n' + source)]
+    prompts = copy_prompts(docs, 4)
+    assert prompts == copy_prompts(docs, 4)  # a fixed order
+    texts = [r["messages"][-1]["content"] for r in prompts]
+    # one code snippet exists and two paragraphs (README + module docstring): 1 code, then prose
+    assert sum(source.split("\n\n")[1] in t for t in texts) == 1
+    assert sum(para in t for t in texts) == 2 and len(prompts) == 3
+    assert {r["category"] for r in prompts} == {"summ", "code"}
+
+
+def test_copy_prompts_from_this_machine_are_disjoint_from_the_benchmark():
+    from pathlib import Path
+
+    from export.drafter.prompts import copy_prompts
+    from export.drafter.text import package_documents
+
+    bench = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
+    bench_texts = {m["content"] for line in bench.read_text().splitlines() if line.strip()
+                   for m in json.loads(line)["messages"]}
+    prompts = copy_prompts(package_documents(), 64)
+    assert len(prompts) == 64
+    assert not bench_texts & {m["content"] for r in prompts for m in r["messages"]}
+
+
+def test_shards_from_other_inputs_are_refused(tmp_path):
+    from dspark_edge.errors import ExportError
+    from export.drafter.data import check_digest
+
+    check_digest(tmp_path, "inputs.sha256", "abc", "delete it")
+    check_digest(tmp_path, "inputs.sha256", "abc", "delete it")  # the same inputs: fine
+    with pytest.raises(ExportError, match="other inputs; delete it"):
+        check_digest(tmp_path, "inputs.sha256", "abd", "delete it")

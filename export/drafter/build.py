@@ -7,6 +7,7 @@ The work folder keeps the data shards, the checkpoint and the logs, so an interr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -34,6 +35,7 @@ class TrainDrafterOptions:
     prompts: int = 640
     max_new_tokens: int = 192
     text_tokens: int = 200_000
+    copy_prompts: int = 256
     layers: int = 2
     slots: int = 7
     draft_vocab: int = 8192
@@ -49,8 +51,9 @@ class TrainDrafterOptions:
                      "seqs_per_step", "anchors"):
             if getattr(self, name) < 1:
                 raise ExportError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.text_tokens < 0:
-            raise ExportError(f"--text-tokens must be 0 (no text) or more, got {self.text_tokens}")
+        for name in ("text_tokens", "copy_prompts"):
+            if getattr(self, name) < 0:
+                raise ExportError(f"--{name.replace('_', '-')} must be 0 (none) or more, got {getattr(self, name)}")
         if not (self.target_engine / "manifest.json").is_file():
             raise ExportError(f"{self.target_engine} is not an engine folder (no manifest.json); export the target "
                               "first with `python -m export target`")
@@ -118,9 +121,9 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
 
     from ..sources import load_source, resolve_source
     from . import calibrate
-    from .data import build_shards, count_sequences, load_shards
+    from .data import build_shards, check_digest, count_sequences, load_shards
     from .model import DraftConfig
-    from .prompts import training_prompts
+    from .prompts import copy_prompts, training_prompts
     from .text import build_text_shards, fingerprint, package_documents, text_sequences
     from .train import TrainOptions, choose_draft_vocab, held_out_rounds, recorded_split, train
 
@@ -145,10 +148,24 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     tok = Tokenizer.from_engine(opts.target_engine, manifest)
     shards = build_shards(target, decoder, tok, prompts[:opts.prompts], opts.work / "data", manifest.tokenizer.eos_ids[0],
                           manifest.tokenizer.pad_id, opts.max_new_tokens, progress=lambda s: progress("      " + s))
+    docs = package_documents() if (opts.text_tokens or opts.copy_prompts) else []
+    copy_note = "no copy tasks"
+    if opts.copy_prompts:
+        tasks = copy_prompts(docs, opts.copy_prompts, opts.seed)
+        copy_note = (f"the target's answers to {len(tasks)} copy tasks (summarise / rewrite / explain a paragraph "
+                     f"or function taken from the same installed documents, fingerprint {fingerprint(docs)})")
+        progress(f"      copy tasks: {len(tasks)} prompts that carry a text or code to work from (resumable)")
+        folder = opts.work / "copy"
+        check_digest(folder, "prompts.sha256",
+                     hashlib.sha256(json.dumps([opts.max_new_tokens, tasks]).encode()).hexdigest(),
+                     f"the installed packages, --copy-prompts or --max-new-tokens changed since; delete {folder} "
+                     "to rebuild them, or pass --copy-prompts 0")
+        shards += build_shards(target, decoder, tok, tasks, folder, manifest.tokenizer.eos_ids[0],
+                               manifest.tokenizer.pad_id, opts.max_new_tokens,
+                               progress=lambda s: progress("      copy " + s))
     answers = count_sequences(shards)
     text_note = "no teacher-forced text"
     if opts.text_tokens:
-        docs = package_documents()
         windows = text_sequences(tok, docs, 256, opts.text_tokens)
         text_note = (f"{sum(len(a) for _, a in windows)} teacher-forced tokens in {len(windows)} windows of "
                      f"{len(docs)} installed documents (package READMEs, standard-library modules; "
@@ -202,7 +219,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
         "training": {"command": " ".join(sys.argv), "options": {k: str(v) for k, v in asdict(opts).items()},
                      "data": f"the target's greedy answers to {opts.prompts} project prompts "
                              "(export/drafter/prompts.py) and its FP32 engine's teacher-forced features; "
-                             f"{text_note}",
+                             f"{copy_note}; {text_note}",
                      "sequences": len(data), "tokens": int(data.tokens.size), "steps": result["steps"],
                      "validation": result["history"], "draft_vocab_coverage": coverage,
                      "minutes_this_run": round((time.perf_counter() - t0) / 60, 1)},

@@ -108,6 +108,20 @@ def write_shard(path: Path, decoder, seqs: list[tuple[list[int], list[int]]], to
     os.replace(tmp, path)
 
 
+def check_digest(folder: Path, name: str, digest: str, fix: str) -> None:
+    """Shards in ``folder`` belong to the inputs with this digest: recorded in ``folder/name`` on
+    first use; other inputs later (other installed packages, other options) are refused with an
+    ExportError ending in ``fix``, never mixed in."""
+    from dspark_edge.errors import ExportError
+
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = folder / name
+    if not marker.is_file():
+        marker.write_text(digest + "\n", encoding="utf-8")
+    elif marker.read_text(encoding="utf-8").strip() != digest:
+        raise ExportError(f"the shards in {folder} were made from other inputs; {fix}")
+
+
 def fill_shards(paths: list[Path], make, label: str, progress=None) -> None:
     """``make(i)`` for every shard path not written yet (it writes ``paths[i]`` and returns what
     it holds, for the progress line with the rate and ETA)."""

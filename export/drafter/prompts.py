@@ -93,3 +93,99 @@ def training_prompts(seed: int = 0) -> list[dict]:
         if system:
             rec["messages"] = [{"role": "system", "content": system}] + rec["messages"]
     return out
+
+
+# Copy-heavy tasks: the request carries a text or a piece of code and the answer reuses it
+# (summaries, rewrites, explanations). Drafting pays most where an answer repeats its prompt,
+# and the templated prompts above never hand the target a text to work from.
+PROSE_TASKS = [
+    "Summarise in two sentences: {x}",
+    "Give a short summary of this text:\n\n{x}",
+    "What is the main point of this paragraph?\n\n{x}",
+    "Rewrite this paragraph in simpler words:\n\n{x}",
+    "List the key points of this text as bullet points:\n\n{x}",
+    "Summarise the following in one sentence:\n\n{x}",
+]
+
+CODE_TASKS = [
+    "Explain what this code does:\n\n{x}",
+    "Explain what this code does and suggest one improvement:\n\n{x}",
+    "Add comments to this Python function:\n\n{x}",
+    "Write a docstring for this function:\n\n{x}",
+    "Rewrite this function with clearer variable names:\n\n{x}",
+]
+
+
+def prose_paragraphs(text: str, lo: int = 250, hi: int = 900) -> list[str]:
+    """Plain prose paragraphs of ``lo``–``hi`` characters from README-style text (markdown or
+    reStructuredText): headings, lists, tables, code and link-heavy blocks are skipped."""
+    out = []
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        lines = [ln.strip() for ln in block.strip().splitlines()]
+        if not lines or any(ln[:1] in "#|*-=>`.:[!<+~^" or ln[:2].isdigit() for ln in lines):
+            continue
+        para = " ".join(lines)
+        if not lo <= len(para) <= hi or "http" in para or "```" in para:
+            continue
+        plain = sum(c.isalpha() or c in " ,.;:'()-" for c in para) / len(para)
+        if plain >= 0.93 and para[-1] in ".!?":
+            out.append(para)
+    return out
+
+
+def _parse(source: str):
+    import ast
+
+    try:
+        return ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def docstring_paragraphs(source: str) -> list[str]:
+    """Prose paragraphs of a module's docstrings (the module's, its top-level classes' and
+    functions')."""
+    import ast
+
+    tree = _parse(source)
+    if tree is None:
+        return []
+    nodes = [tree] + [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))]
+    return [p for n in nodes for p in prose_paragraphs(ast.get_docstring(n) or "")]
+
+
+def code_snippets(source: str, min_lines: int = 5, max_lines: int = 25, max_chars: int = 1200) -> list[str]:
+    """Top-level functions of a module's source with ``min_lines``–``max_lines`` lines."""
+    import ast
+
+    tree = _parse(source)
+    if tree is None:
+        return []
+    out = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            seg = ast.get_source_segment(source, node)
+            if seg and min_lines <= seg.count("\n") + 1 <= max_lines and len(seg) <= max_chars:
+                out.append(seg)
+    return out
+
+
+def copy_prompts(documents, count: int, seed: int = 0) -> list[dict]:
+    """``count`` copy-heavy prompts (half prose, half code) over ``documents`` (``text.Document``:
+    ``prose:*`` README text, ``code:*`` module source, whose docstrings are prose too), as
+    {"category", "messages"} in a fixed order that depends only on the documents and the seed.
+    Fewer when the documents hold fewer usable pieces."""
+    rng = random.Random(seed + 1)
+    prose = [p for d in documents if d.name.startswith("prose:") for p in prose_paragraphs(d.text)]
+    prose += [p for d in documents if d.name.startswith("code:") for p in docstring_paragraphs(d.text)]
+    code = [c for d in documents if d.name.startswith("code:") for c in code_snippets(d.text)]
+    rng.shuffle(prose)
+    rng.shuffle(code)
+    n_code = min(len(code), count // 2)
+    n_prose = min(len(prose), count - n_code)
+    recs = [{"category": "summ", "messages": [{"role": "user", "content": PROSE_TASKS[i % len(PROSE_TASKS)].format(x=p)}]}
+            for i, p in enumerate(prose[:n_prose])]
+    recs += [{"category": "code", "messages": [{"role": "user", "content": CODE_TASKS[i % len(CODE_TASKS)].format(x=c)}]}
+             for i, c in enumerate(code[:n_code])]
+    rng.shuffle(recs)
+    return recs

@@ -106,20 +106,14 @@ def build_text_shards(decoder, seqs: list[tuple[list[int], list[int]]], folder: 
     returns all shard paths in order. The folder records a digest of the windows: shards made
     from other windows (other installed packages, another ``--text-tokens``) are refused, never
     mixed in."""
-    from dspark_edge.errors import ExportError
+    from .data import check_digest, fill_shards, write_shard
 
-    from .data import fill_shards, write_shard
-
-    folder.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256(f"{per_shard} {top_k}".encode())
     for prompt, answer in seqs:
         h.update(repr((prompt, answer)).encode())
-    marker, digest = folder / WINDOWS_DIGEST, h.hexdigest()
-    if not marker.is_file():
-        marker.write_text(digest + "\n", encoding="utf-8")
-    elif marker.read_text(encoding="utf-8").strip() != digest:
-        raise ExportError(f"the text shards in {folder} were made from other text (the installed packages or "
-                          f"--text-tokens changed since); delete {folder} to rebuild them, or pass --text-tokens 0")
+    check_digest(folder, WINDOWS_DIGEST, h.hexdigest(),
+                 f"the installed packages or --text-tokens changed since; delete {folder} to rebuild them, "
+                 "or pass --text-tokens 0")
     paths = [text_shard_path(folder, i) for i in range((len(seqs) + per_shard - 1) // per_shard)]
 
     def make(i: int) -> str:
