@@ -1,0 +1,126 @@
+"""Which drafter shape to train: backbone layers, Markov rank and the target layers it reads,
+compared at one fixed training budget on the same data.
+
+    python bench/drafter_ablation.py --work runs/drafter --prompts 920 --steps 200 \
+        --configs L2-r128-f8.15.22 L1-r128-f8.15.22 L2-r128-f22 L2-r32-f8.15.22
+
+A config ``L<layers>-r<rank>-f<layer>.<layer>…`` reads a subset of the layers the work folder's
+shards hold (the target engine's exposed layers). Every config starts from the same
+initialisation rule as ``train-drafter`` (backbone from the target's last layers), sees the
+same batches (same seed) of the target's answers among the first ``--prompts`` prompts, and is
+measured on the recorded held-out answers as ``bench/drafter_heldout.py`` measures a trained
+drafter (24 fixed anchors per answer, each slot's Markov input the drafter's own draft). A short budget ranks how fast each shape learns, not where it ends. Each
+config trains in ``<work>/ablation/<config>/`` (resumable) and appends one JSON line to
+``--out``; configs already there are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CONFIG = re.compile(r"^L(\d+)-r(\d+)-f(\d+(?:\.\d+)*)$")
+
+
+def parse_config(text: str) -> tuple[int, int, tuple[int, ...]]:
+    from dspark_edge.errors import ConfigError
+
+    m = CONFIG.match(text)
+    if not m:
+        raise ConfigError(f"config {text!r} is not L<layers>-r<rank>-f<layer>.<layer>… (e.g. L2-r128-f8.15.22)")
+    return int(m.group(1)), int(m.group(2)), tuple(int(x) for x in m.group(3).split("."))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=Path("runs/drafter"), help="train-drafter work folder")
+    ap.add_argument("--prompts", type=int, default=920, help="answers (prompts) to train and validate on")
+    ap.add_argument("--steps", type=int, default=200, help="training steps per config")
+    ap.add_argument("--configs", nargs="+", default=["L2-r128-f8.15.22", "L1-r128-f8.15.22", "L2-r128-f22",
+                                                      "L2-r32-f8.15.22"])
+    ap.add_argument("--out", type=Path, default=Path("runs/drafter_ablation.jsonl"), help="results, one line each")
+    ap.add_argument("--source", default="default", help="the target's source (embeddings, LM head, init)")
+    args = ap.parse_args()
+
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    from dspark_edge.errors import ConfigError
+    from dspark_edge.manifest import read_manifest
+    from export.drafter.build import build_model, init_from_target
+    from export.drafter.data import load_shards, shard_path
+    from export.drafter.model import DraftConfig
+    from export.drafter.train import TrainOptions, recorded_split, train
+    from export.sources import load_source, resolve_source
+
+    if args.steps < 1 or args.prompts < 1:
+        raise ConfigError("--steps and --prompts must be at least 1")
+    configs = [(c, *parse_config(c)) for c in args.configs]
+    opts = json.loads((args.work / "options.json").read_text())
+    layers_held = tuple(read_manifest(Path(opts["target_engine"])).hidden_state_layers)
+    for name, _, _, feats in configs:
+        if not set(feats) <= set(layers_held):
+            raise ConfigError(f"{name} reads layers {feats}, but the shards hold only {layers_held}")
+    per_shard = 64
+    shards = [shard_path(args.work / "data", i) for i in range((args.prompts + per_shard - 1) // per_shard)]
+    missing = [str(p) for p in shards if not p.is_file()]
+    if missing:
+        raise ConfigError(f"answer shards missing: {', '.join(missing)}; run `python -m export train-drafter` "
+                          f"with --work {args.work} --prompts {args.prompts} first")
+    done = set()
+    if args.out.is_file():
+        done = {json.loads(line)["config"] for line in args.out.read_text().splitlines() if line.strip()}
+    data = load_shards(shards)
+    train_ids, val_ids = recorded_split(data, args.work, len(data))
+    target, _ = load_source(resolve_source(args.source))
+    vocab_ids = np.load(args.work / "vocab_ids.npy")
+    full_aux = data.aux
+    for name, n_layers, rank, feats in configs:
+        if name in done:
+            print(f"[ablation] {name}: already in {args.out}", flush=True)
+            continue
+        cols = np.concatenate([np.arange(i * target.config.hidden_size, (i + 1) * target.config.hidden_size)
+                               for i in (layers_held.index(f) for f in feats)])
+        sub = dataclasses.replace(data, aux=full_aux[:, cols]) if len(feats) < len(layers_held) else data
+        torch.manual_seed(0)
+        cfg = DraftConfig(hidden_size=target.config.hidden_size, num_heads=target.config.num_attention_heads,
+                          num_kv_heads=target.config.num_key_value_heads,
+                          head_dim=target.config.hidden_size // target.config.num_attention_heads,
+                          intermediate_size=target.config.intermediate_size, num_layers=n_layers,
+                          feature_layers=feats, rms_eps=target.config.rms_norm_eps,
+                          rope_theta=float(target.config.rope_parameters["rope_theta"]), slots=7,
+                          draft_vocab=int(vocab_ids.size), markov_rank=rank)
+        model = build_model(cfg, target, vocab_ids)
+        init_from_target(model, target)
+        work = args.work / "ablation" / name
+        work.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        result = train(model, sub, train_ids, val_ids, work,
+                       TrainOptions(steps=args.steps, validate_every=args.steps, checkpoint_every=50),
+                       progress=lambda s, n=name: print(f"[ablation] {n}: {s}", flush=True))
+        v = result["history"][-1]  # held-out greedy rounds at the final step (train.validate)
+        rec = {"config": name, "layers": n_layers, "markov_rank": rank, "feature_layers": list(feats),
+               "steps": args.steps, "answers": len(data), "held_out_blocks": v["blocks"],
+               "tau": round(v["tau"], 3), "reach": [round(x, 3) for x in v["reach"]],
+               "trainable_m": round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 2),
+               "minutes": round((time.perf_counter() - t0) / 60, 1)}
+        with args.out.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(json.dumps(rec), flush=True)
+        del sub
+    return 0
+
+
+if __name__ == "__main__":
+    from dspark_edge.cli import run_reporting_errors
+
+    sys.exit(run_reporting_errors(main))
