@@ -151,7 +151,13 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     docs = package_documents() if (opts.text_tokens or opts.copy_prompts) else []
     copy_note = "no copy tasks"
     if opts.copy_prompts:
-        tasks = copy_prompts(docs, opts.copy_prompts, opts.seed)
+        limit = manifest.model.max_position_embeddings - opts.max_new_tokens
+        made = copy_prompts(docs, opts.copy_prompts, opts.seed)
+        tasks = [t for t in made if len(tok.encode_chat(t["messages"])) <= limit]  # prompt and answer fit
+        if len(tasks) < len(made):
+            progress(f"      copy tasks: {len(made) - len(tasks)} of {len(made)} skipped, their prompt and "
+                     f"--max-new-tokens {opts.max_new_tokens} exceed the target's {manifest.model.max_position_embeddings} "
+                     "positions")
         copy_note = (f"the target's answers to {len(tasks)} copy tasks (summarise / rewrite / explain a paragraph "
                      f"or function taken from the same installed documents, fingerprint {fingerprint(docs)})")
         progress(f"      copy tasks: {len(tasks)} prompts that carry a text or code to work from (resumable)")
