@@ -250,3 +250,27 @@ def test_corrected_cost_curve_stays_non_decreasing():
     raw = {w: CURVE[w] * cm.correction(w) + 0.1 for w in CURVE}  # per-width corrections, not pooled
     assert choose_width(conf, WIDTHS, lambda w: raw[w])[0] == 1  # width 2's dip in value hides 3 and 4
     assert choose_width(conf, WIDTHS, cm.round)[0] == 4
+
+
+def test_replay_counts_tokens_and_costs_of_each_policy():
+    """bench/scheduler_replay.py: a round commits 1 + min(accepted, width - 1) tokens and costs
+    verify(width) plus the drafting time when it drafted; plain steps cost verify(1)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from scheduler_replay import replay
+
+    verify = {1: 10.0, 2: 12.0, 4: 15.0, 8: 24.0}
+    widths = (1, 2, 4, 8)
+    # 25 answer tokens; every position's block of 7 drafts has its first 3 accepted
+    rec = {"category": "x", "acc": [3] * 24, "conf": [np.full(7, 0.9)] * 24, "draft_ms": 2.0}
+    (plain,) = replay([rec], None, verify, widths)
+    assert plain == pytest.approx(1 / 10.0)
+    (k3,) = replay([rec], 3, verify, widths)  # width 4: 4 tokens a round for 15 + 2 ms (6 rounds: 24 tokens)
+    assert k3 == pytest.approx(24 / (6 * 17.0))
+    (k1,) = replay([rec], 1, verify, widths)  # width 2: 2 tokens for 12 + 2 ms
+    assert k1 == pytest.approx(24 / (12 * 14.0))
+    sched = Scheduler(CostModel(verify, 0.0), widths, SchedulerConfig())
+    (auto,) = replay([rec], sched, verify, widths)
+    assert auto > plain and sched.step > 0  # confident drafts that are accepted: it speculates
