@@ -54,8 +54,10 @@ def teacher_answers(teacher, tokenizer, max_new_tokens: int, progress,
 
 
 def distill(student, teacher, tokenizer, minutes: float, progress, max_new_tokens: int = 96,
-            batch: int = 4, lr: float = 3e-4, seed: int = 0, target_engine: Path | None = None) -> dict:
-    """Train ``student`` in place for ``minutes``; returns a small report."""
+            batch: int = 4, lr: float = 3e-4, seed: int = 0, target_engine: Path | None = None,
+            min_steps: int = 0) -> dict:
+    """Train ``student`` in place for ``minutes`` (and at least ``min_steps`` steps, however
+    long they take); returns a small report."""
     import torch
     import torch.nn.functional as F
 
@@ -75,7 +77,7 @@ def distill(student, teacher, tokenizer, minutes: float, progress, max_new_token
     order = torch.randperm(len(data))
     deadline = time.perf_counter() + minutes * 60
     step, losses, pos = 0, [], 0
-    while time.perf_counter() < deadline:
+    while step < min_steps or time.perf_counter() < deadline:
         opt.zero_grad()
         total = 0.0
         for _ in range(batch):

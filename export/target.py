@@ -66,6 +66,7 @@ class ExportOptions:
     keep_layers: int | None = None
     target_engine: Path | None = None
     distill_minutes: float = 0.0
+    distill_min_steps: int = 0  # at least this many distillation steps, whatever the clock says
     graph: str = "fused"
 
     def __post_init__(self) -> None:
@@ -287,7 +288,7 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
             say(f"      distilling the {options.keep_layers}-layer draft against the full model for "
                 f"{options.distill_minutes:g} min")
             report = distill(model, teacher, hf_tok, options.distill_minutes, say,
-                             target_engine=options.target_engine)
+                             target_engine=options.target_engine, min_steps=options.distill_min_steps)
             extra_info = {f"distill_{k}": f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in report.items()}
             extra_info["distill_minutes"] = f"{options.distill_minutes:g}"
             del teacher

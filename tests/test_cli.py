@@ -87,14 +87,32 @@ def test_chat_keeps_history_and_commands(tiny_engine):
 
 
 def test_chat_interrupted_exits_130(tiny_engine):
+    import os
+    import pty
+    import select
     import signal
     import time
 
+    # A terminal on stdin makes chat interactive: it prints its banner once loaded and waits in
+    # input(), where Ctrl-C must end it with 130 however long loading took on a busy machine.
+    master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "dspark_edge", "chat", "--engine", str(tiny_engine)], cwd=REPO,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(8)  # loaded and waiting for input
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+                            stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    os.close(slave)
+    try:
+        deadline, seen = time.monotonic() + 240, ""
+        while "[chat with" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            ready, _, _ = select.select([proc.stderr], [], [], 1.0)
+            if ready:
+                seen += proc.stderr.readline()
+        assert "[chat with" in seen, seen
+        time.sleep(0.5)  # from the banner to input()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
 
 

@@ -110,9 +110,9 @@ def test_draft_model_distillation_lowers_kl(tmp_path, tiny_hf, tiny_engine):
     out = tmp_path / "draft"
     export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32",), widths=(1,),
                                 role="draft_model", keep_layers=1, target_engine=tiny_engine,
-                                distill_minutes=0.1))
+                                distill_minutes=0.05, distill_min_steps=20))  # 20 steps even on a loaded machine
     info = read_manifest(out).exporter
-    assert int(info["distill_steps"]) >= 5
+    assert int(info["distill_steps"]) >= 20
     assert float(info["distill_last_kl"]) < float(info["distill_first_kl"])
     dspark_edge.load(tiny_engine, drafter=out).generate("The", max_new_tokens=4)
 
