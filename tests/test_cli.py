@@ -94,10 +94,13 @@ def test_chat_interrupted_exits_130(tiny_engine):
     import time
 
     # A terminal on stdin makes chat interactive: it prints its banner once loaded and waits in
-    # input(), where Ctrl-C must end it with 130 however long loading took on a busy machine.
+    # input(), where Ctrl-C must end it with 130 however long loading took.
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "dspark_edge", "chat", "--engine", str(tiny_engine)], cwd=REPO,
-                            stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a test runner started in the background inherits SIGINT ignored
+                            # (POSIX, for asynchronous commands): give chat the default, as a terminal does
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(slave)
     try:
         deadline, seen = time.monotonic() + 240, ""
