@@ -63,10 +63,11 @@ def overhead(pipe, n: int = 5000) -> dict:
     rng = np.random.default_rng(0)
     confs = [np.clip(rng.random(7) * 0.5 + 0.5, 0, 1) for _ in range(64)]
     t = time.perf_counter()
-    for i in range(n):
+    for i in range(n):  # a full step: telemetry read, gate, decision and cost update, every time
         snap = pipe.telemetry()
-        if sched.wants_draft(snap):
-            sched.decide(confs[i % 64], snap)
+        sched.wants_draft(snap)
+        d = sched.decide(confs[i % 64], snap)
+        sched.observe(d.width, sched.costs.verify_ms[d.width])
     per = (time.perf_counter() - t) / n * 1e3
     return {"ms_per_step": round(per, 4), "steps": n}
 
