@@ -228,6 +228,7 @@ def test_train_and_install_write_a_complete_drafter(tiny_with_drafter):
     validation = json.loads(m.drafter.provenance["validation"])
     assert validation["fp16"]["max_abs_logit_diff"] < 0.05
     assert validation["fp32"]["rounds"] >= 3 and validation["fp32"]["top1_agreement"] == 1.0
+    assert "/fc/MatMul" in validation["int8"]["fp32_matmuls"]
     verify_files(m, engine)
     assert not [p for p in engine.iterdir() if p.name.startswith(".")]  # no staging left behind
 

@@ -43,10 +43,9 @@ def real_features(target_engine: Path, manifest) -> tuple[list[int], np.ndarray]
     decoder = DecoderModel(manifest, target_engine, "fp32" if "fp32" in precisions else precisions[0])
     tok = Tokenizer.from_engine(target_engine, manifest)
     ids = tok.encode_chat([{"role": "user", "content": "How does a bicycle stay upright?"}]) + tok.encode(VALIDATION_TEXT)
-    ids = [i % manifest.model.vocab_size for i in ids]
-    cache = decoder.new_cache()
-    out = decoder.session.forward(cache, np.asarray(ids, dtype=np.int64))
-    return ids, np.asarray(out.hidden, dtype=np.float32)
+    rows: list[np.ndarray] = []
+    decoder.prefill(decoder.new_cache(), np.asarray(ids, dtype=np.int64), hidden_sink=rows)
+    return ids, np.concatenate(rows).astype(np.float32)
 
 
 def _validate(model, graph: Path, cfg, ids: list[int], feats: np.ndarray) -> dict:
@@ -131,8 +130,8 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
                               f"{report['fp32']['max_abs_logit_diff']:.3g}); not installing it")
         if "int8" in precisions:
             (stage / "int8").mkdir()
-            quantize_int8(stage / "fp32" / "model.onnx", stage / "int8" / "model.onnx")
-            report["int8"] = _validate(model, stage / "int8" / "model.onnx", cfg, ids, feats)
+            kept = quantize_int8(stage / "fp32" / "model.onnx", stage / "int8" / "model.onnx")
+            report["int8"] = {**_validate(model, stage / "int8" / "model.onnx", cfg, ids, feats), "fp32_matmuls": kept}
         if "fp16" in precisions:
             (stage / "fp16").mkdir()
             convert_fp16(stage / "fp32" / "model.onnx", stage / "fp16" / "model.onnx")

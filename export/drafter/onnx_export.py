@@ -90,12 +90,14 @@ def quantize_int8(src: Path, dst: Path) -> list[str]:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    from dspark_edge.errors import ExportError
+
     graph = onnx.load(str(src), load_external_data=False).graph
     matmuls = [n.name for n in graph.node if n.op_type == "MatMul"]
     layers = sorted({int(name.split("/")[1].split(".")[1]) for name in matmuls if name.startswith("/layers.")})
     keep = [name for name in matmuls if name.startswith("/fc/") or (layers and name.startswith(f"/layers.{layers[-1]}/"))]
     if not any(name.startswith("/fc/") for name in keep):
-        raise RuntimeError(f"the drafter graph {src} has no /fc/ MatMul: its node names changed, so the "
+        raise ExportError(f"the drafter graph {src} has no /fc/ MatMul: its node names changed, so the "
                            "layers that must stay FP32 cannot be found")
     quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True, nodes_to_exclude=keep)
     return keep
