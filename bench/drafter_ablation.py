@@ -56,26 +56,20 @@ def main() -> int:
 
     from dspark_edge.errors import ConfigError
     from dspark_edge.manifest import read_manifest
-    from export.drafter.build import build_model, init_from_target
-    from export.drafter.data import load_shards, shard_path
-    from export.drafter.model import DraftConfig
+    from export.drafter.build import build_model, draft_config, init_from_target
+    from export.drafter.data import answer_shards, load_shards
     from export.drafter.train import TrainOptions, recorded_split, train
     from export.sources import load_source, resolve_source
 
-    if args.steps < 1 or args.prompts < 1:
-        raise ConfigError("--steps and --prompts must be at least 1")
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}")
     configs = [(c, *parse_config(c)) for c in args.configs]
+    shards = answer_shards(args.work, args.prompts)  # first: names the command when the folder is not a work folder
     opts = json.loads((args.work / "options.json").read_text())
     layers_held = tuple(read_manifest(Path(opts["target_engine"])).hidden_state_layers)
     for name, _, _, feats in configs:
         if not set(feats) <= set(layers_held):
             raise ConfigError(f"{name} reads layers {feats}, but the shards hold only {layers_held}")
-    per_shard = 64
-    shards = [shard_path(args.work / "data", i) for i in range((args.prompts + per_shard - 1) // per_shard)]
-    missing = [str(p) for p in shards if not p.is_file()]
-    if missing:
-        raise ConfigError(f"answer shards missing: {', '.join(missing)}; run `python -m export train-drafter` "
-                          f"with --work {args.work} --prompts {args.prompts} first")
     done = set()
     if args.out.is_file():
         done = {json.loads(line)["config"] for line in args.out.read_text().splitlines() if line.strip()}
@@ -92,13 +86,7 @@ def main() -> int:
                                for i in (layers_held.index(f) for f in feats)])
         sub = dataclasses.replace(data, aux=full_aux[:, cols]) if len(feats) < len(layers_held) else data
         torch.manual_seed(0)
-        cfg = DraftConfig(hidden_size=target.config.hidden_size, num_heads=target.config.num_attention_heads,
-                          num_kv_heads=target.config.num_key_value_heads,
-                          head_dim=target.config.hidden_size // target.config.num_attention_heads,
-                          intermediate_size=target.config.intermediate_size, num_layers=n_layers,
-                          feature_layers=feats, rms_eps=target.config.rms_norm_eps,
-                          rope_theta=float(target.config.rope_parameters["rope_theta"]), slots=7,
-                          draft_vocab=int(vocab_ids.size), markov_rank=rank)
+        cfg = draft_config(target, feats, n_layers, 7, int(vocab_ids.size), rank)
         model = build_model(cfg, target, vocab_ids)
         init_from_target(model, target)
         work = args.work / "ablation" / name

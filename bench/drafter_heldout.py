@@ -35,18 +35,11 @@ def main() -> int:
 
     from dspark_edge.errors import ConfigError
     from export.drafter.build import load_drafter
-    from export.drafter.data import count_sequences, load_shards, shard_path
+    from export.drafter.data import answer_shards, count_sequences, load_shards
     from export.drafter.train import held_out_rounds, recorded_split
     from export.sources import load_source, resolve_source
 
-    if args.prompts < 1:
-        raise ConfigError(f"--prompts must be at least 1, got {args.prompts}")
-    per_shard = 64  # build_shards' default, which train-drafter uses
-    shards = [shard_path(args.work / "data", i) for i in range((args.prompts + per_shard - 1) // per_shard)]
-    missing = [str(p) for p in shards if not p.is_file()]
-    if missing:
-        raise ConfigError(f"answer shards missing: {', '.join(missing)}; run `python -m export train-drafter` "
-                          f"with --work {args.work} --prompts {args.prompts} first")
+    shards = answer_shards(args.work, args.prompts)
     for w in args.weights:
         if not (w / "drafter.json").is_file():
             raise ConfigError(f"{w} is not a drafter folder (no drafter.json); train one with "

@@ -75,6 +75,18 @@ def init_from_target(model, target) -> None:
             mine.post_norm.weight.copy_(theirs.post_attention_layernorm.weight)
 
 
+def draft_config(target, feature_layers, layers: int, slots: int, draft_vocab: int, markov_rank: int):
+    """A DraftConfig with the target's layer shape (``target``: the HF model)."""
+    from .model import DraftConfig
+
+    c = target.config
+    return DraftConfig(hidden_size=c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                       head_dim=c.hidden_size // c.num_attention_heads, intermediate_size=c.intermediate_size,
+                       num_layers=layers, feature_layers=tuple(feature_layers), rms_eps=c.rms_norm_eps,
+                       rope_theta=float(c.rope_parameters["rope_theta"]), slots=slots, draft_vocab=draft_vocab,
+                       markov_rank=markov_rank)
+
+
 def build_model(cfg, target, vocab_ids: np.ndarray):
     import torch
 
@@ -122,7 +134,6 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     from ..sources import load_source, resolve_source
     from . import calibrate
     from .data import build_shards, check_digest, count_sequences, load_shards
-    from .model import DraftConfig
     from .prompts import copy_prompts, training_prompts
     from .text import build_text_shards, fingerprint, package_documents, text_sequences
     from .train import TrainOptions, choose_draft_vocab, held_out_rounds, recorded_split, train
@@ -189,13 +200,8 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     coverage = float(np.isin(answer, vocab_ids).mean())
     progress(f"      {len(data)} sequences ({data.tokens.size} tokens); draft vocabulary {vocab_ids.size} "
              f"covers {coverage:.1%} of held-out answer tokens")
-    cfg = DraftConfig(hidden_size=target.config.hidden_size, num_heads=target.config.num_attention_heads,
-                      num_kv_heads=target.config.num_key_value_heads,
-                      head_dim=target.config.hidden_size // target.config.num_attention_heads,
-                      intermediate_size=target.config.intermediate_size, num_layers=opts.layers,
-                      feature_layers=tuple(manifest.hidden_state_layers), rms_eps=target.config.rms_norm_eps,
-                      rope_theta=float(target.config.rope_parameters["rope_theta"]), slots=opts.slots,
-                      draft_vocab=int(vocab_ids.size), markov_rank=opts.markov_rank)
+    cfg = draft_config(target, manifest.hidden_state_layers, opts.layers, opts.slots, int(vocab_ids.size),
+                       opts.markov_rank)
     model = build_model(cfg, target, vocab_ids)
     init_from_target(model, target)
     progress(f"[3/4] training {sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.1f} M "

@@ -135,8 +135,26 @@ def fill_shards(paths: list[Path], make, label: str, progress=None) -> None:
                      f"ETA {rate * (len(todo) - done) / 60:.1f} min)")
 
 
+ANSWERS_PER_SHARD = 64
+
+
+def answer_shards(work: Path, prompts: int) -> list[Path]:
+    """The answer shards a ``train-drafter`` work folder holds for its first ``prompts`` prompts;
+    a ConfigError naming the command when any is missing."""
+    from dspark_edge.errors import ConfigError
+
+    if prompts < 1:
+        raise ConfigError(f"--prompts must be at least 1, got {prompts}")
+    paths = [shard_path(work / "data", i) for i in range((prompts + ANSWERS_PER_SHARD - 1) // ANSWERS_PER_SHARD)]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise ConfigError(f"answer shards missing: {', '.join(missing)}; run `python -m export train-drafter` "
+                          f"with --work {work} --prompts {prompts} first")
+    return paths
+
+
 def build_shards(model, decoder, tokenizer, prompts: list[dict], folder: Path, eos_id: int, pad_id: int,
-                 max_new_tokens: int = 192, per_shard: int = 64, top_k: int = 16, progress=None) -> list[Path]:
+                 max_new_tokens: int = 192, per_shard: int = ANSWERS_PER_SHARD, top_k: int = 16, progress=None) -> list[Path]:
     """Write every missing shard; returns all shard paths in order. ``model`` (PyTorch) writes
     the greedy answers in one batch per shard; ``decoder`` (the target's FP32 engine) gives the
     features."""
