@@ -38,10 +38,11 @@ def record(pipe, prompts: list[dict], max_new: int) -> list[dict]:
     cfg = GenerationConfig(max_new_tokens=max_new, ignore_eos=True)
     out = []
     for rec in prompts:
+        prompt = rec.get("messages") or rec["prompt"]
         pipe.drafter = None
-        answer = pipe.generate(rec.get("messages") or rec["prompt"], cfg).token_ids
+        answer = pipe.generate(prompt, cfg).token_ids
         pipe.drafter = drafter
-        prompt_ids = pipe.tokenizer.encode_chat(rec["messages"]) if "messages" in rec else pipe.tokenizer.encode(rec["prompt"])
+        prompt_ids = pipe.encode_prompt(prompt)
         ids = list(prompt_ids) + list(answer)
         rows: list[np.ndarray] = []
         cache = pipe.target.new_cache()
