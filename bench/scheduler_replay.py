@@ -109,12 +109,15 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--fixed", default="1,2,3,5,7", help="fixed draft lengths to replay")
     ap.add_argument("--probe-every", default="16", help="scheduler variants: probe cadences to replay")
+    ap.add_argument("--draft-ms", type=float, default=None,
+                    help="drafting time per round to replay with (default: the recorded median per prompt)")
     ap.add_argument("--records", type=Path, default=None,
                     help="JSON file of recorded drafts: read when it exists (no decoding), else written")
     args = ap.parse_args()
 
     import dspark_edge
     from dspark_edge.bench import load_prompts
+    from dspark_edge.errors import ConfigError
     from dspark_edge.scheduler import CostModel, Scheduler, SchedulerConfig
     from dspark_edge.telemetry import FakeReader
 
@@ -139,6 +142,11 @@ def main() -> int:
             cfg = SchedulerConfig(probe_every=pe, gate_draft_share=0.05 if gate else 1.0)
             name = f"scheduler probe {pe}" + ("" if gate else ", no gate")
             policies[name] = Scheduler(CostModel(verify, 0.0, cfg.cost_window, cfg.min_observations), widths, cfg)
+    if args.draft_ms is not None:
+        if args.draft_ms < 0:
+            raise ConfigError(f"--draft-ms must be 0 or more, got {args.draft_ms}")
+        for r in records:
+            r["draft_ms"] = args.draft_ms
     cats = sorted({r["category"] for r in records})
     result = {"verify_ms": verify, "draft_ms": round(float(np.median([r["draft_ms"] for r in records])), 2),
               "first_draft_accepted": round(float(np.mean([a > 0 for r in records for a in r["acc"]])), 3),
