@@ -12,6 +12,15 @@ measured on the recorded held-out answers as ``bench/drafter_heldout.py`` measur
 drafter (24 fixed anchors per answer, each slot's Markov input the drafter's own draft). A short budget ranks how fast each shape learns, not where it ends. Each
 config trains in ``<work>/ablation/<config>/`` (resumable) and appends one JSON line to
 ``--out``; configs already there are skipped.
+
+``--train-answers 230,460,920`` trains each config once per size on only the first N answers'
+training part (a learning curve: how held-out acceptance grows with data at one budget); every
+size is validated on the same recorded held-out answers, and each line also gives τ on 48 of the
+answers it trained on (the gap between the two shows how far the drafter memorises instead of
+generalising).
+
+    python bench/drafter_ablation.py --work runs/drafter --prompts 920 --steps 600 \
+        --configs L2-r128-f8.15.22 --train-answers 230,460,920
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200, help="training steps per config")
     ap.add_argument("--configs", nargs="+", default=["L2-r128-f8.15.22", "L1-r128-f8.15.22", "L2-r128-f22",
                                                       "L2-r32-f8.15.22"])
+    ap.add_argument("--train-answers", default=None,
+                    help="comma-separated sizes: train on the first N answers only (a learning curve)")
     ap.add_argument("--out", type=Path, default=Path("runs/drafter_ablation.jsonl"), help="results, one line each")
     ap.add_argument("--source", default="default", help="the target's source (embeddings, LM head, init)")
     args = ap.parse_args()
@@ -58,12 +69,20 @@ def main() -> int:
     from dspark_edge.manifest import read_manifest
     from export.drafter.build import build_model, draft_config, init_from_target
     from export.drafter.data import answer_shards, load_shards
-    from export.drafter.train import TrainOptions, recorded_split, train
+    from export.drafter.train import TrainOptions, recorded_split, train, validate
     from export.sources import load_source, resolve_source
 
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}")
     configs = [(c, *parse_config(c)) for c in args.configs]
+    sizes: list[int | None] = [None]
+    if args.train_answers:
+        try:
+            sizes = [int(x) for x in args.train_answers.split(",")]
+        except ValueError:
+            raise ConfigError(f"--train-answers takes comma-separated counts, got {args.train_answers!r}") from None
+        if min(sizes) < 8 or max(sizes) > args.prompts:
+            raise ConfigError(f"--train-answers sizes must lie in 8..{args.prompts} (--prompts), got {args.train_answers}")
     shards = answer_shards(args.work, args.prompts)  # first: names the command when the folder is not a work folder
     opts = json.loads((args.work / "options.json").read_text())
     layers_held = tuple(read_manifest(Path(opts["target_engine"])).hidden_state_layers)
@@ -78,7 +97,8 @@ def main() -> int:
     target, _ = load_source(resolve_source(args.source))
     vocab_ids = np.load(args.work / "vocab_ids.npy")
     full_aux = data.aux
-    for name, n_layers, rank, feats in configs:
+    runs = [(f"{c}-a{n}" if n else c, n, nl, r, f) for c, nl, r, f in configs for n in sizes]
+    for name, size, n_layers, rank, feats in runs:
         if name in done:
             print(f"[ablation] {name}: already in {args.out}", flush=True)
             continue
@@ -92,13 +112,17 @@ def main() -> int:
         work = args.work / "ablation" / name
         work.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        result = train(model, sub, train_ids, val_ids, work,
+        ids = train_ids if size is None else train_ids[train_ids < size]
+        result = train(model, sub, ids, val_ids, work,
                        TrainOptions(steps=args.steps, validate_every=args.steps, checkpoint_every=50),
                        progress=lambda s, n=name: print(f"[ablation] {n}: {s}", flush=True))
         v = result["history"][-1]  # held-out greedy rounds at the final step (train.validate)
+        seen = validate(model, sub, np.random.default_rng(0).choice(ids, size=min(48, ids.size), replace=False),
+                        model.cfg.slots)
         rec = {"config": name, "layers": n_layers, "markov_rank": rank, "feature_layers": list(feats),
-               "steps": args.steps, "answers": len(data), "held_out_blocks": v["blocks"],
+               "steps": args.steps, "answers": len(data), "trained_on": int(ids.size), "held_out_blocks": v["blocks"],
                "tau": round(v["tau"], 3), "reach": [round(x, 3) for x in v["reach"]],
+               "train_tau": round(seen["tau"], 3), "train_reach1": round(seen["reach"][0], 3),
                "trainable_m": round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 2),
                "minutes": round((time.perf_counter() - t0) / 60, 1)}
         with args.out.open("a", encoding="utf-8") as f:

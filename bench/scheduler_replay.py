@@ -95,6 +95,7 @@ def replay(records: list[dict], policy, verify_ms: dict[int, float], widths: tup
                 policy.observe(w, verify_ms[w])
                 if w > 1:  # the pipeline observes rounds that verified drafts
                     policy.observe_round(tokens, cost)
+                    policy.observe_acceptance(conf[:w - 1], tokens - 1)
             ms += cost
             j += tokens
         rates.append(j / ms)
@@ -107,8 +108,13 @@ def main() -> int:
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--drafter", default="dspark")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=Path, default=None,
+                    help="JSON-lines prompt file to record on (default: the project's bench/prompts.jsonl)")
     ap.add_argument("--fixed", default="1,2,3,5,7", help="fixed draft lengths to replay")
     ap.add_argument("--probe-every", default="16", help="scheduler variants: probe cadences to replay")
+    ap.add_argument("--online-calibration", default=None,
+                    help="scheduler variants: comma-separated step sizes of the online confidence offset "
+                         "(default: SchedulerConfig's)")
     ap.add_argument("--draft-ms", type=float, default=None,
                     help="drafting time per round to replay with (default: the recorded median per prompt)")
     ap.add_argument("--records", type=Path, default=None,
@@ -129,7 +135,7 @@ def main() -> int:
             r["conf"] = [np.asarray(c) for c in r["conf"]]
     else:
         pipe = dspark_edge.load(args.engine, args.precision, drafter=args.drafter, telemetry=FakeReader())
-        records = record(pipe, load_prompts(), args.max_new_tokens)
+        records = record(pipe, load_prompts(args.prompts), args.max_new_tokens)
         verify, widths = dict(pipe.scheduler.costs.verify_ms), pipe.scheduler.widths
         if args.records is not None:
             args.records.write_text(json.dumps({"verify_ms": verify, "widths": list(widths), "records": [
@@ -137,11 +143,15 @@ def main() -> int:
     policies: dict[str, object] = {"plain": None}
     for k in (int(x) for x in args.fixed.split(",")):
         policies[f"k={k}"] = k
+    default_lr = SchedulerConfig().online_calibration
+    rates = [float(x) for x in args.online_calibration.split(",")] if args.online_calibration else [default_lr]
     for pe in (int(x) for x in args.probe_every.split(",")):
         for gate in (True, False):
-            cfg = SchedulerConfig(probe_every=pe, gate_draft_share=0.05 if gate else 1.0)
-            name = f"scheduler probe {pe}" + ("" if gate else ", no gate")
-            policies[name] = Scheduler(CostModel(verify, 0.0, cfg.cost_window, cfg.min_observations), widths, cfg)
+            for lr in rates:
+                cfg = SchedulerConfig(probe_every=pe, gate_draft_share=0.05 if gate else 1.0, online_calibration=lr)
+                name = (f"scheduler probe {pe}" + ("" if gate else ", no gate")
+                        + ("" if lr == default_lr else f", online calibration {lr:g}"))
+                policies[name] = Scheduler(CostModel(verify, 0.0, cfg.cost_window, cfg.min_observations), widths, cfg)
     if args.draft_ms is not None:
         if args.draft_ms < 0:
             raise ConfigError(f"--draft-ms must be 0 or more, got {args.draft_ms}")

@@ -400,6 +400,7 @@ class TextStream:
                         sched.observe(width, verify_ms)
                         if len(draft):  # t_d: when this round's drafting began
                             sched.observe_round(1 + outcome.accepted, (time.perf_counter() - t_d) * 1e3)
+                            sched.observe_acceptance(draft.confidence, outcome.accepted)
                     cache.commit(1 + outcome.accepted)  # the anchor and the accepted drafts
                     if hidden_rows is not None and out.hidden is not None:
                         hidden_rows.append(out.hidden[:1 + outcome.accepted].copy())

@@ -274,3 +274,54 @@ def test_replay_counts_tokens_and_costs_of_each_policy():
     sched = Scheduler(CostModel(verify, 0.0), widths, SchedulerConfig())
     (auto,) = replay([rec], sched, verify, widths)
     assert auto > plain and sched.step > 0  # confident drafts that are accepted: it speculates
+
+
+def test_online_offset_follows_observed_acceptance():
+    """A drafter calibrated elsewhere says 0.4 for drafts accepted 90 % of the time: the offset
+    rises, the adjusted confidences approach what is observed, and the chosen width widens."""
+    sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS)
+    snap, conf = _snap(), np.full(7, 0.4)
+    before = sched.decide(conf, snap).width
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        hits = rng.random(7) < 0.9
+        accepted = int(np.argmin(hits)) if not hits.all() else 7
+        width = sched.decide(conf, snap).width
+        sched.observe_acceptance(conf[:width - 1], min(accepted, width - 1))
+    assert sched.offset > 1.5
+    assert sched.adjusted(conf)[0] == pytest.approx(0.9, abs=0.08)
+    after = sched.decide(conf, snap)
+    assert after.width > before and after.confidence_offset == sched.offset
+    # ... and back down when the same confidences start being rejected.
+    for _ in range(300):
+        width = sched.decide(conf, snap).width
+        sched.observe_acceptance(conf[:width - 1], 0)
+    assert sched.offset < 0 and sched.decide(conf, snap).width <= before
+
+
+def test_online_offset_is_bounded_and_can_be_turned_off():
+    sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS, SchedulerConfig(max_offset=1.0))
+    for _ in range(500):
+        sched.observe_acceptance(np.full(3, 0.5), 3)
+    assert sched.offset == pytest.approx(1.0)
+    off = Scheduler(CostModel(CURVE, 4.0), WIDTHS, SchedulerConfig(online_calibration=0.0))
+    for _ in range(50):
+        off.observe_acceptance(np.full(3, 0.5), 3)
+    conf = np.array([0.3, 0.2, 0.1])
+    assert off.offset == 0.0 and np.array_equal(off.adjusted(conf), conf)
+    with pytest.raises(ConfigError):
+        SchedulerConfig(online_calibration=1.5)
+    with pytest.raises(ConfigError):
+        SchedulerConfig(gate_weight=0.0)
+
+
+def test_a_short_run_of_rejections_does_not_close_the_gate():
+    """The gate's rate moves slowly: five rejected rounds after many paying ones leave it open
+    (with a weight of 0.2 they closed it, and only probes reopened it)."""
+    for weight, gated in ((0.05, False), (0.2, True)):
+        sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS, SchedulerConfig(gate_weight=weight))
+        for _ in range(20):
+            sched.observe_round(3, 50.0)  # 60 tok/s, plain gives 33
+        for _ in range(5):
+            sched.observe_round(1, 60.0)  # 16.7 tok/s
+        assert sched.gated is gated
