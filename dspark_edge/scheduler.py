@@ -16,7 +16,7 @@ its inputs and reason.
 The confidence offset: a drafter's confidences are calibrated offline on held-out rounds of its
 training distribution, and a workload it drafts better or worse for shifts them (the trained
 drafter's calibrated first-position confidence averaged 0.34 on the benchmark prompts, where
-27 % were accepted, and 0.38 on prompts it was trained on, where 68 % were). The scheduler
+27 % were accepted, and 0.46 on prompts it was trained on, where 68 % were). The scheduler
 therefore shifts every confidence in logit space by one offset δ, c' = σ(logit c + δ), and
 after each verified round moves δ by ``online_calibration`` × (y − c') for every verified draft
 up to the first rejection (y = 1 accepted, 0 rejected): a stochastic gradient step on the
