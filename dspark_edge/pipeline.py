@@ -375,8 +375,10 @@ class TextStream:
                         if sched is not None:
                             sched.costs.observe_draft(draft_ms)
                     decision = None
+                    # Confidences that are already this generation's observed rates get no offset.
+                    observed = bool(getattr(drafter, "observed_confidence", False))
                     if sched is not None:
-                        decision = sched.decide(draft.confidence, snap)
+                        decision = sched.decide(draft.confidence, snap, shift=not observed)
                         st.modes[decision.mode] = st.modes.get(decision.mode, 0) + 1
                         draft = draft.trimmed(decision.width - 1)
                     elif cfg.draft_tokens is None and len(draft) > 1:
@@ -400,7 +402,8 @@ class TextStream:
                         sched.observe(width, verify_ms)
                         if len(draft):  # t_d: when this round's drafting began
                             sched.observe_round(1 + outcome.accepted, (time.perf_counter() - t_d) * 1e3)
-                            sched.observe_acceptance(draft.confidence, outcome.accepted)
+                            if not observed:
+                                sched.observe_acceptance(draft.confidence, outcome.accepted)
                     cache.commit(1 + outcome.accepted)  # the anchor and the accepted drafts
                     if hidden_rows is not None and out.hidden is not None:
                         hidden_rows.append(out.hidden[:1 + outcome.accepted].copy())

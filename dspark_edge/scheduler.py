@@ -21,7 +21,9 @@ therefore shifts every confidence in logit space by one offset δ, c' = σ(logit
 after each verified round moves δ by ``online_calibration`` × (y − c') for every verified draft
 up to the first rejection (y = 1 accepted, 0 rejected): a stochastic gradient step on the
 log-loss of the conditional acceptance. δ depends only on past rounds, so the width choice of a
-round still never looks at its own draws.
+round still never looks at its own draws. Drafters whose confidences are observed acceptance
+rates of the generation itself (the n-gram drafter's ``observed_confidence``) are neither
+shifted nor counted: the pipeline passes ``shift=False`` and skips ``observe_acceptance``.
 """
 
 from __future__ import annotations
@@ -324,11 +326,13 @@ class Scheduler:
         bound = self.config.max_offset
         self.offset = float(np.clip(self.offset + lr * float((y - c[:n]).sum()), -bound, bound))
 
-    def decide(self, confidence: np.ndarray, snap: Snapshot) -> Decision:
-        """The verify width for drafts with these calibrated confidences (shifted by the
-        online offset)."""
+    def decide(self, confidence: np.ndarray, snap: Snapshot, shift: bool = True) -> Decision:
+        """The verify width for drafts with these calibrated confidences, shifted by the online
+        offset unless ``shift`` is false (confidences that are observed acceptance rates already,
+        as the n-gram drafter's are)."""
         self.step += 1
-        confidence = self.adjusted(confidence) if np.asarray(confidence).shape[0] else np.asarray(confidence)
+        use = shift and np.asarray(confidence).shape[0] > 0
+        confidence = self.adjusted(confidence) if use else np.asarray(confidence)
         k = int(np.asarray(confidence).shape[0])
         mode = "probe" if (self.mode == "parked" or self.gated) and k else self.mode
         if k == 0:
@@ -339,7 +343,7 @@ class Scheduler:
                    + (", energy-weighted: hot" if self.mode == "hot" else ""))
         d = Decision(self.step, mode, width, k, value, why, snap.max_temp_c, snap.throttling,
                      snap.mem_available_mb, snap.cpu_other_percent, self.costs.correction(width),
-                     tuple(float(x) for x in survival(confidence)), self.offset)
+                     tuple(float(x) for x in survival(confidence)), self.offset if use else 0.0)
         self.decisions.append(d)
         return d
 

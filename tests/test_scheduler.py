@@ -325,3 +325,17 @@ def test_a_short_run_of_rejections_does_not_close_the_gate():
         for _ in range(5):
             sched.observe_round(1, 60.0)  # 16.7 tok/s
         assert sched.gated is gated
+
+
+def test_decide_without_shift_ignores_the_offset():
+    """Observed-rate confidences (shift=False) are used as given even when an offset was learned."""
+    sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS)
+    for _ in range(200):
+        sched.observe_acceptance(np.full(3, 0.3), 3)
+    assert sched.offset > 1.0
+    conf, snap = np.full(7, 0.3), _snap()
+    plain_choice = Scheduler(CostModel(CURVE, 4.0), WIDTHS).decide(conf, snap)
+    unshifted = sched.decide(conf, snap, shift=False)
+    assert unshifted.confidence_offset == 0.0 and unshifted.width == plain_choice.width
+    assert unshifted.survival == plain_choice.survival
+    assert sched.decide(conf, snap).survival[0] > unshifted.survival[0]

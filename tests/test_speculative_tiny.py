@@ -329,3 +329,29 @@ def test_coupled_sampling_follows_the_target_distribution(tiny_engine, tiny_draf
     prompt = "The quick brown fox The quick brown"
     exact = _exact_joint(spec, spec.encode_prompt(prompt), top_k=4)
     assert not _chi2_rejects(spec, prompt, exact, 3000, 4, sampling="coupled", draft_tokens=2)
+
+
+class _Overconfident(_HiddenRecorder):
+    """Says 0.9 for drafts that are almost always rejected; no ``observed_confidence``
+    attribute, so its confidences count as calibrated elsewhere."""
+
+    name = "overconfident"
+    needs_hidden = False
+
+    def propose(self, request, rng):
+        k = min(3, request.max_tokens)
+        return Draft(np.zeros(k, dtype=np.int64), None, np.full(k, 0.9))
+
+
+def test_online_offset_corrects_head_confidences_but_not_observed_rates(tiny_engine):
+    """The scheduler's online offset learns from a drafter whose confidences were calibrated
+    elsewhere, and leaves the n-gram drafter's (already this generation's observed rates) alone."""
+    spec = dspark_edge.load(tiny_engine, drafter=_Overconfident())
+    spec.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True)
+    assert spec.scheduler.offset < -0.2  # drafts said 0.9 and were rejected: shifted down
+    assert any(d.confidence_offset < 0 for d in spec.scheduler.decisions)
+    ngram = dspark_edge.load(tiny_engine, drafter="ngram")
+    r = ngram.generate("The quick brown fox The quick brown fox The quick", max_new_tokens=40, ignore_eos=True)
+    assert r.stats.draft_n > 0
+    assert ngram.scheduler.offset == 0.0
+    assert all(d.confidence_offset == 0.0 for d in ngram.scheduler.decisions)

@@ -59,6 +59,11 @@ class DraftRequest:
 class Drafter(Protocol):
     name: str
     needs_hidden: bool  # wants the target's hidden states of committed positions
+    # True when the confidences are themselves observed acceptance rates of this generation
+    # (``AcceptanceTracker``): the scheduler's online confidence offset, which corrects a
+    # calibration made elsewhere, is then not applied on top (it would correct them twice).
+    # A drafter without the attribute counts as False.
+    observed_confidence: bool
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """A new generation starts from ``prompt_ids``."""

@@ -40,6 +40,7 @@ def check_compatible(target: Manifest, draft: Manifest, draft_dir: Path) -> None
 class DraftModelDrafter:
     name = "draft_model"
     needs_hidden = False
+    observed_confidence = False  # blends the draft model's probabilities in: the offset applies
 
     def __init__(self, engine_dir: str | Path, target_manifest: Manifest, precision: str | None = None,
                  options: BackendOptions | None = None, max_tokens: int = 8, verify_hashes: bool = True,

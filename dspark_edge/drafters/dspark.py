@@ -63,6 +63,7 @@ def sequential_step(u: np.ndarray, h: np.ndarray, anchor: int, w1: np.ndarray, w
 class DSparkDrafter:
     name = "dspark"
     needs_hidden = True
+    observed_confidence = False  # calibrated offline: the scheduler's online offset applies
 
     def __init__(self, engine_dir: str | Path, manifest: Manifest, precision: str | None = None,
                  options: BackendOptions | None = None, verify_hashes: bool = True) -> None:

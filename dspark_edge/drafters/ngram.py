@@ -24,6 +24,7 @@ from .base import AcceptanceTracker, Draft, DraftRequest
 class NgramDrafter:
     name = "ngram"
     needs_hidden = False
+    observed_confidence = True  # the confidences are this generation's acceptance rates
 
     def __init__(self, min_n: int = 1, max_n: int = 4, max_tokens: int = 8,
                  learn_across_generations: bool = False) -> None:
