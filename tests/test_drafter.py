@@ -306,10 +306,10 @@ class _CyclingScheduler:
         self.inner.update_modes(snap)
         return True
 
-    def decide(self, confidence, snap):
+    def decide(self, confidence, snap, shift=True):
         import dataclasses
 
-        d = self.inner.decide(confidence, snap)
+        d = self.inner.decide(confidence, snap, shift=shift)
         widths = [w for w in (4, 1, 2, 3) if w - 1 <= len(confidence)]
         self.i += 1
         return dataclasses.replace(d, width=widths[self.i % len(widths)], reason="test: cycling")
