@@ -63,19 +63,23 @@ def record(pipe, prompts: list[dict], max_new: int) -> list[dict]:
             acc.append(int(np.cumprod(hit).sum()))
             conf.append(np.asarray(d.confidence, dtype=np.float64))
         out.append({"id": rec["id"], "category": rec["category"], "acc": acc, "conf": conf,
-                    "draft_ms": float(np.median(ms))})
+                    "draft_ms": float(np.median(ms)),
+                    "observed_confidence": bool(getattr(drafter, "observed_confidence", False))})
     return out
 
 
 def replay(records: list[dict], policy, verify_ms: dict[int, float], widths: tuple[int, ...]) -> list[float]:
     """Tokens per ms of every prompt under ``policy``: None (plain), an int (fixed drafts), or
-    a ``Scheduler`` (kept across prompts, as a pipeline keeps it)."""
+    a ``Scheduler`` (kept across prompts, as a pipeline keeps it). As in the pipeline, the
+    confidence offset neither shifts nor learns from a drafter's observed-rate confidences
+    (records without the key are from drafters with a confidence head)."""
     from dspark_edge.telemetry import Snapshot
 
     snap = Snapshot(t=0.0, mem_total_mb=8192, mem_available_mb=4096)
     rates = []
     for r in records:
         n, j, ms = len(r["acc"]) + 1, 0, 0.0
+        observed = r.get("observed_confidence", False)
         while j < n - 1:
             k_max = min(len(r["conf"][j]), n - 1 - j - 1)
             if policy is None or k_max < 1:
@@ -88,14 +92,15 @@ def replay(records: list[dict], policy, verify_ms: dict[int, float], widths: tup
                 if drafted:
                     policy.costs.observe_draft(r["draft_ms"])
                 conf = r["conf"][j][:k_max] if drafted else np.zeros(0)
-                w = policy.decide(conf, snap).width
+                w = policy.decide(conf, snap, shift=not observed).width
             tokens = 1 + min(r["acc"][j], w - 1)
             cost = verify_ms[w] + (r["draft_ms"] if drafted else 0.0)
             if not isinstance(policy, (int, type(None))):
                 policy.observe(w, verify_ms[w])
                 if w > 1:  # the pipeline observes rounds that verified drafts
                     policy.observe_round(tokens, cost)
-                    policy.observe_acceptance(conf[:w - 1], tokens - 1)
+                    if not observed:
+                        policy.observe_acceptance(conf[:w - 1], tokens - 1)
             ms += cost
             j += tokens
         rates.append(j / ms)
@@ -127,6 +132,16 @@ def main() -> int:
     from dspark_edge.scheduler import CostModel, Scheduler, SchedulerConfig
     from dspark_edge.telemetry import FakeReader
 
+    default_lr = SchedulerConfig().online_calibration
+    lrs = [default_lr]
+    if args.online_calibration:
+        try:
+            lrs = [float(x) for x in args.online_calibration.split(",")]
+        except ValueError:
+            raise ConfigError(f"--online-calibration takes comma-separated step sizes in [0, 1], "
+                              f"got {args.online_calibration!r}") from None
+    for lr in lrs:  # out-of-range step sizes fail here, before any decoding
+        SchedulerConfig(online_calibration=lr)
     if args.records is not None and args.records.is_file():
         saved = json.loads(args.records.read_text())
         verify = {int(w): v for w, v in saved["verify_ms"].items()}
@@ -143,11 +158,9 @@ def main() -> int:
     policies: dict[str, object] = {"plain": None}
     for k in (int(x) for x in args.fixed.split(",")):
         policies[f"k={k}"] = k
-    default_lr = SchedulerConfig().online_calibration
-    rates = [float(x) for x in args.online_calibration.split(",")] if args.online_calibration else [default_lr]
     for pe in (int(x) for x in args.probe_every.split(",")):
         for gate in (True, False):
-            for lr in rates:
+            for lr in lrs:
                 cfg = SchedulerConfig(probe_every=pe, gate_draft_share=0.05 if gate else 1.0, online_calibration=lr)
                 name = (f"scheduler probe {pe}" + ("" if gate else ", no gate")
                         + ("" if lr == default_lr else f", online calibration {lr:g}"))

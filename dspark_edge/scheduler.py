@@ -331,9 +331,11 @@ class Scheduler:
         offset unless ``shift`` is false (confidences that are observed acceptance rates already,
         as the n-gram drafter's are)."""
         self.step += 1
-        use = shift and np.asarray(confidence).shape[0] > 0
-        confidence = self.adjusted(confidence) if use else np.asarray(confidence)
-        k = int(np.asarray(confidence).shape[0])
+        confidence = np.asarray(confidence)
+        k = int(confidence.shape[0])
+        use = shift and k > 0
+        if use:
+            confidence = self.adjusted(confidence)
         mode = "probe" if (self.mode == "parked" or self.gated) and k else self.mode
         if k == 0:
             width, value, why = 1, 1.0 / self._cost(1), self._why_no_drafts()

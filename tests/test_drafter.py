@@ -292,27 +292,19 @@ def test_only_the_drafter_session_stops_spinning(tiny_with_drafter):
     spec.close()
 
 
-class _CyclingScheduler:
-    """Wraps the real scheduler but switches the verify width every round."""
+def _cycling(inner):
+    """The real scheduler, but the verify width switches every round."""
+    import itertools
 
-    def __init__(self, inner):
-        self.inner, self.i = inner, 0
-        self.costs, self.config = inner.costs, inner.config
+    from forced_width import ForcedWidthScheduler
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    rounds = itertools.count(1)
 
-    def wants_draft(self, snap):  # always draft: this wrapper tests width switching, not the gate
-        self.inner.update_modes(snap)
-        return True
-
-    def decide(self, confidence, snap, shift=True):
-        import dataclasses
-
-        d = self.inner.decide(confidence, snap, shift=shift)
+    def width(confidence):
         widths = [w for w in (4, 1, 2, 3) if w - 1 <= len(confidence)]
-        self.i += 1
-        return dataclasses.replace(d, width=widths[self.i % len(widths)], reason="test: cycling")
+        return widths[next(rounds) % len(widths)]
+
+    return ForcedWidthScheduler(inner, width, "test: cycling")
 
 
 def test_exact_while_the_scheduler_switches_variants_every_round(tiny_with_drafter):
@@ -323,7 +315,7 @@ def test_exact_while_the_scheduler_switches_variants_every_round(tiny_with_draft
     plain = dspark_edge.load(engine, "fp32")
     spec = dspark_edge.load(engine, "fp32", drafter="dspark", telemetry=FakeReader())
     assert spec.scheduler is not None and spec.profile_status in ("missing", "stale", "ok", "throttled")
-    spec.scheduler = _CyclingScheduler(spec.scheduler)
+    spec.scheduler = _cycling(spec.scheduler)
     for prompt in ["The quick brown fox", "def add(a, b):"]:
         a = plain.generate(prompt, max_new_tokens=48, ignore_eos=True)
         b = spec.generate(prompt, max_new_tokens=48, ignore_eos=True)
@@ -387,7 +379,7 @@ def test_sampling_follows_the_target_with_the_dspark_drafter_and_switching_width
 
     engine, _, _ = tiny_with_drafter
     spec = dspark_edge.load(engine, "fp32", drafter="dspark", telemetry=FakeReader())
-    spec.scheduler = _CyclingScheduler(spec.scheduler)
+    spec.scheduler = _cycling(spec.scheduler)
     prompt = "The quick brown fox The quick brown"
     exact = _exact_joint(spec, spec.encode_prompt(prompt), top_k=4)
     assert not _chi2_rejects(spec, prompt, exact, 3000, 4)
@@ -403,7 +395,7 @@ def test_coupled_sampling_with_the_dspark_drafter_equals_plain(tiny_with_drafter
     engine, _, _ = tiny_with_drafter
     plain = dspark_edge.load(engine, "fp32")
     spec = dspark_edge.load(engine, "fp32", drafter="dspark", telemetry=FakeReader())
-    spec.scheduler = _CyclingScheduler(spec.scheduler)
+    spec.scheduler = _cycling(spec.scheduler)
     for seed in range(3):
         kw = dict(max_new_tokens=20, temperature=0.8, top_k=8, seed=seed, ignore_eos=True, sampling="coupled")
         ref = plain.generate("The quick brown fox The quick brown", **kw)

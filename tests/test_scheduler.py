@@ -274,6 +274,13 @@ def test_replay_counts_tokens_and_costs_of_each_policy():
     sched = Scheduler(CostModel(verify, 0.0), widths, SchedulerConfig())
     (auto,) = replay([rec], sched, verify, widths)
     assert auto > plain and sched.step > 0  # confident drafts that are accepted: it speculates
+    # 0.9 said, 3 of 7 accepted: the offset learns from head confidences and, as in the
+    # pipeline, not from a drafter's observed rates.
+    assert sched.offset < 0
+    observed = Scheduler(CostModel(verify, 0.0), widths, SchedulerConfig())
+    replay([{**rec, "observed_confidence": True}], observed, verify, widths)
+    assert observed.step > 0 and observed.offset == 0.0
+    assert all(d.confidence_offset == 0.0 for d in observed.decisions)
 
 
 def test_online_offset_follows_observed_acceptance():

@@ -343,40 +343,24 @@ class _Overconfident(_HiddenRecorder):
         return Draft(np.zeros(k, dtype=np.int64), None, np.full(k, 0.9))
 
 
-class _WidestScheduler:
-    """The real scheduler decides (and learns its offset), but every round verifies all the
-    drafts, so the test does not hang on this machine's timings (which could gate or narrow)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def wants_draft(self, snap):
-        self.inner.update_modes(snap)
-        return True
-
-    def decide(self, confidence, snap, shift=True):
-        import dataclasses
-
-        d = self.inner.decide(confidence, snap, shift=shift)
-        return dataclasses.replace(d, width=len(confidence) + 1, reason="test: widest")
-
-
 def test_online_offset_corrects_head_confidences_but_not_observed_rates(tiny_engine):
     """The scheduler's online offset learns from a drafter whose confidences were calibrated
     elsewhere, and leaves the n-gram drafter's (already this generation's observed rates) alone."""
+    from forced_width import ForcedWidthScheduler
+
     from dspark_edge.telemetry import FakeReader
 
+    def widest(confidence):  # every draft verified
+        return len(confidence) + 1
+
     spec = dspark_edge.load(tiny_engine, drafter=_Overconfident(), telemetry=FakeReader())
-    spec.scheduler = _WidestScheduler(spec.scheduler)
+    spec.scheduler = ForcedWidthScheduler(spec.scheduler, widest, "test: widest")
     r = spec.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True)
     assert r.stats.draft_n > 0
     assert spec.scheduler.offset < -0.2  # drafts said 0.9 and were rejected: shifted down
     assert any(d.confidence_offset < 0 for d in spec.scheduler.decisions)
     ngram = dspark_edge.load(tiny_engine, drafter="ngram", telemetry=FakeReader())
-    ngram.scheduler = _WidestScheduler(ngram.scheduler)
+    ngram.scheduler = ForcedWidthScheduler(ngram.scheduler, widest, "test: widest")
     r = ngram.generate("The quick brown fox The quick brown fox The quick", max_new_tokens=40, ignore_eos=True)
     assert r.stats.draft_n > 0
     assert ngram.scheduler.offset == 0.0

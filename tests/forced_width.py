@@ -1,0 +1,23 @@
+"""A test wrapper around the real scheduler: it still decides every round (so its offset, costs
+and decision record are exercised) but a given function sets the verify width, and every round
+drafts (the gate is bypassed), so a test does not depend on this machine's timings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+class ForcedWidthScheduler:
+    def __init__(self, inner, width, reason: str):
+        self.inner, self.width, self.reason = inner, width, reason
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def wants_draft(self, snap):
+        self.inner.update_modes(snap)
+        return True
+
+    def decide(self, confidence, snap, shift=True):
+        d = self.inner.decide(confidence, snap, shift=shift)
+        return dataclasses.replace(d, width=self.width(confidence), reason=self.reason)
