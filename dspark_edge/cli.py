@@ -14,7 +14,7 @@ import sys
 from . import __version__
 from .backends import BackendOptions
 from .config import GenerationConfig
-from .errors import DSparkError, GenerationError
+from .errors import ConfigError, DSparkError, GenerationError
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -77,21 +77,26 @@ def provider_options(providers: tuple[str, ...], items: list[str]) -> tuple[dict
     return tuple(opts[p] for p in providers) if items else ()
 
 
+def _backend_options(args) -> BackendOptions:
+    providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
+    return BackendOptions(providers=providers, provider_options=provider_options(providers, args.provider_option),
+                          intra_op_threads=args.threads, max_context=args.max_context,
+                          fallback_to_cpu=args.fallback_to_cpu, device_id=args.device_id)
+
+
 def _load(args, drafter=None):
     from .pipeline import load
 
-    providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
-    options = BackendOptions(providers=providers, provider_options=provider_options(providers, args.provider_option),
-                             intra_op_threads=args.threads, max_context=args.max_context,
-                             fallback_to_cpu=args.fallback_to_cpu, device_id=args.device_id)
+    options = _backend_options(args)
     return load(args.engine, args.precision, drafter=drafter, backend=args.backend, options=options,
                 verify_hashes=not args.no_verify_hashes, scheduler=_scheduler_config(args))
 
 
 def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--drafter", default=None,
-                   help="speculative decoding with 'dspark', 'dspark:int8', 'ngram' or a draft-model engine folder "
-                        "(default: plain decoding)")
+                   help="speculative decoding with 'dspark', 'dspark:int8', 'ngram' (prompt lookup, plus the "
+                        "engine's corpus n-gram table when it has one), 'ngram:prompt' (prompt lookup alone) or a "
+                        "draft-model engine folder (default: plain decoding)")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="verify exactly this many drafts every round (default: the scheduler chooses)")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="answer length limit (default: %(default)s)")
@@ -198,9 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--depth", type=int, default=128, help="cached positions for the verify cost curve")
     b.add_argument("--repeats", type=int, default=15, help="timed repeats per width for the verify curve")
     b.add_argument("--drafter", default=None,
-                   help="compare plain decoding with this drafter ('dspark', 'dspark:int8', 'ngram' or a "
-                        "draft-model engine folder), interleaved per prompt: verify width chosen per round by "
-                        "the scheduler ('auto') and fixed at every listed draft length")
+                   help="compare plain decoding with this drafter ('dspark', 'dspark:int8', 'ngram', "
+                        "'ngram:prompt' or a draft-model engine folder; several, comma-separated, are compared "
+                        "in the same run), interleaved per prompt: verify width chosen per round by the "
+                        "scheduler ('auto') and fixed at every listed draft length")
     b.add_argument("--draft-tokens", default=None,
                    help="comma-separated draft lengths to compare (default: every listed width - 1)")
     b.add_argument("--json", action="store_true",
@@ -325,7 +331,12 @@ def cmd_bench(args) -> int:
     from .bench import bench_generation, load_prompts, verify_cost_curve
 
     prompts = load_prompts(args.prompts)[:args.limit]
-    pipe = _load(args, drafter=args.drafter)
+    specs = [s.strip() for s in args.drafter.split(",") if s.strip()] if args.drafter else []
+    if args.drafter and not specs:
+        raise ConfigError(f"--drafter {args.drafter!r} names no drafter")
+    if len(set(specs)) != len(specs):
+        raise ConfigError(f"--drafter lists a drafter twice: {args.drafter!r}")
+    pipe = _load(args, drafter=specs[0] if specs else None)
     bar = _Progress("bench", len(prompts))
 
     def progress(done, total, row):
@@ -337,11 +348,19 @@ def cmd_bench(args) -> int:
     if args.drafter:
         from .bench import bench_compare
 
-        drafter = pipe.drafter  # loaded with the target
+        from .drafters import create
+        from .pipeline import drafter_backend_options
+
         ks = [int(k) for k in args.draft_tokens.split(",")] if args.draft_tokens else \
             [w - 1 for w in pipe.target.widths if w > 1]
-        variants = [("plain", None, {}), (f"{drafter.name} auto", drafter, {})] + \
-                   [(f"{drafter.name} k={k}", drafter, {"draft_tokens": k}) for k in ks]
+        drafters = [(specs[0] if len(specs) > 1 else pipe.drafter.name, pipe.drafter)]  # the first: loaded with the target
+        drafters += [(spec, create(spec, m, options=drafter_backend_options(spec, _backend_options(args)),
+                                   verify_hashes=not args.no_verify_hashes, engine_dir=args.engine))
+                     for spec in specs[1:]]
+        variants = [("plain", None, {})]
+        for label, drafter in drafters:
+            variants += [(f"{label} auto", drafter, {})] + \
+                        [(f"{label} k={k}", drafter, {"draft_tokens": k}) for k in ks]
 
         def progress_cmp(done, total, rates):
             bar.update(done, ", ".join(f"{n}: {v:.1f}" for n, v in rates.items()))
@@ -384,6 +403,24 @@ class _Progress:
             self._bar = None
 
 
+def _ngram_table_summary(engine, manifest) -> dict | None:
+    """The engine folder's corpus n-gram table as inspect reports it (None when it has none)."""
+    from pathlib import Path
+
+    from .drafters.ngram_table import FILE_NAME, NgramTable
+
+    path = Path(engine) / FILE_NAME
+    if not path.is_file():
+        return None
+    tok_sha = next((f.sha256 for f in manifest.files if f.path == manifest.tokenizer.file), None)
+    try:
+        t = NgramTable.load(path, tok_sha)
+    except DSparkError as exc:
+        return {"file": FILE_NAME, "error": str(exc)}
+    return {"file": FILE_NAME, "contexts": t.entries, "max_n": max(t.lengths, default=0),
+            "answers": t.meta.get("answers"), "answer_tokens": t.meta.get("answer_tokens")}
+
+
 def cmd_inspect(args) -> int:
     from .manifest import read_manifest, verify_files
     from .strict_json import to_json_dict
@@ -395,10 +432,12 @@ def cmd_inspect(args) -> int:
     verify_files(m, args.engine, check_hashes=args.verify_hashes)
     prof, status = load_profile(args.engine)
     sources = SystemReader().sources()
+    table = _ngram_table_summary(args.engine, m)
     if args.json:
         print(json.dumps({**to_json_dict(m), "profile": {"status": status,
                                                          "device_key": prof.device_key if prof else None,
                                                          "created_utc": prof.created_utc if prof else None},
+                          "ngram_table": table,
                           "telemetry_sources": sources,
                           "hashes_verified": bool(args.verify_hashes)}, indent=2))
         return 0
@@ -431,6 +470,10 @@ def cmd_inspect(args) -> int:
         print(f"drafter    dspark: {d.num_layers} layers, {d.slots} slots, draft vocab {d.draft_vocab}, Markov rank "
               f"{d.markov_rank}, calibrated T {' '.join(f'{t:.2f}' for t in d.temperatures)}"
               + (f", b {' '.join(f'{b:+.2f}' for b in d.biases)}" if d.biases else ""))
+    if table is not None:
+        print(f"ngram      corpus table {table['file']}: " + (
+            f"{table['contexts']} contexts (up to {table['max_n']} tokens) from {table['answers']} answers"
+            if "error" not in table else f"unusable: {table['error']}"))
     print(f"profile    {status}" + (f" ({prof.device_key}, {prof.created_utc})" if prof else
                                     " (run `python -m dspark_edge profile --engine ...`)"))
     print(f"telemetry  {', '.join(sources)}")

@@ -44,7 +44,8 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     """Open an engine folder. ``precision`` defaults to the most precise one exported.
 
     ``drafter``: None (plain decoding), "dspark" / "dspark:<precision>" (the engine folder's
-    DSpark drafter), "ngram" (prompt lookup), the path of a draft-model engine folder, or a
+    DSpark drafter), "ngram" (prompt lookup, with the engine folder's corpus n-gram table
+    when it has one), "ngram:prompt" (prompt lookup alone), the path of a draft-model engine folder, or a
     Drafter object. ``verify_hashes`` checks the sha256 of the files
     this precision uses (sizes are always checked).
 
@@ -54,14 +55,7 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     """
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
-    drafter_options = options
-    if isinstance(drafter, (str, Path)) and str(drafter) not in ("ngram", "none"):
-        # Two sessions take turns on the same cores. The drafter's threads must not spin-wait
-        # after its short pass (a spinning drafter made the next width-2 target pass 61 instead
-        # of 40 ms, 2-core EPYC); the target keeps its own setting (docs/PERFORMANCE.md, "Two
-        # thread pools and BLAS").
-        drafter_options = replace(options or BackendOptions(), allow_spinning=False)
-        log.info("drafter in use: onnxruntime thread spinning disabled for the drafter's session")
+    drafter_options = drafter_backend_options(drafter, options)
     precision = precision or (manifest.precisions("target", backend) or [None])[0]
     verify_role_files(manifest, engine_dir, "target", precision, check_hashes=verify_hashes)
     target = DecoderModel(manifest, engine_dir, precision, backend, options)
@@ -76,6 +70,18 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
         pipe.enable_scheduler(scheduler if isinstance(scheduler, SchedulerConfig) else SchedulerConfig(),
                               telemetry, make_drafter if isinstance(drafter, (str, Path)) else None)
     return pipe
+
+
+def drafter_backend_options(drafter, options: BackendOptions | None) -> BackendOptions | None:
+    """The backend options a drafter given by name or path runs with: those of the target, but
+    without thread spinning for a drafter with its own model. Two sessions take turns on the
+    same cores, and the drafter's threads must not spin-wait after its short pass (a spinning
+    drafter made the next width-2 target pass 61 instead of 40 ms, 2-core EPYC); the target
+    keeps its own setting (docs/PERFORMANCE.md, "Two thread pools and BLAS")."""
+    if isinstance(drafter, (str, Path)) and str(drafter) not in ("ngram", "ngram:prompt", "none"):
+        log.info("drafter in use: onnxruntime thread spinning disabled for the drafter's session")
+        return replace(options or BackendOptions(), allow_spinning=False)
+    return options
 
 
 class Pipeline:

@@ -11,7 +11,8 @@ panel, updated every round, shows the variant in use (verify width, precision), 
 calibrated confidences, the accepted length, speed, free memory and RSS, temperature and
 throttling, CPU (and GPU) load, and what the confidence scheduler chose and why, with its
 latest switches (hot, parked, probing, gate). It decodes with the engine's DSpark drafter when
-it has one, else the model-free n-gram drafter; --drafter none decodes plainly. When stdout is
+it has one, else the model-free n-gram drafter (prompt lookup plus the engine's corpus table of
+the target's habitual continuations, when the folder has one); --drafter none decodes plainly. When stdout is
 not a terminal (or `rich` is missing) it prints plain lines.
 
 --race decodes the same prompt plainly and speculatively in turns (whichever has used less
@@ -254,7 +255,8 @@ def main() -> int:
                          "where INT8's width-dependent rounding would make the outputs drift apart)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question (default: %(default)r)")
     ap.add_argument("--drafter", default=None,
-                    help="'dspark' (default when the engine has one), 'ngram' (default otherwise), 'none' for "
+                    help="'dspark' (default when the engine has one), 'ngram' (default otherwise: prompt lookup "
+                         "and the engine's n-gram table), 'ngram:prompt' (prompt lookup alone), 'none' for "
                          "plain decoding, or a draft-model engine folder")
     ap.add_argument("--chat", action="store_true", help="interactive chat (empty line or Ctrl-D quits)")
     ap.add_argument("--race", action="store_true",

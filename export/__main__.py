@@ -5,6 +5,8 @@
         --output engines/smollm2-draft
     python -m export train-drafter --target engines/smollm2-135m --output drafters/smollm2-135m
     python -m export drafter --target engines/smollm2-135m --weights drafters/smollm2-135m
+    python -m export ngram-table --target engines/smollm2-135m --work runs/drafter
+    python -m export ngram-table --target engines/smollm2-135m --from drafters/smollm2-135m-ngram.npz
     python -m export target --source default --graph portable --precisions fp32,fp16,int8 \
         --output engines/smollm2-135m-portable
     python -m export trt --engine engines/smollm2-135m-portable      (NVIDIA GPU + TensorRT)
@@ -17,7 +19,7 @@ import logging
 import sys
 from pathlib import Path
 
-from dspark_edge.errors import DSparkError
+from dspark_edge.errors import DSparkError, ExportError
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -115,6 +117,24 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--source", default="default", help="the target's source (for its embeddings and LM head)")
     dr.add_argument("-v", "--verbose", action="store_true", help="log details")
 
+    ng = sub.add_parser("ngram-table", help="add the n-gram drafter's corpus table (the target's habitual "
+                                             "continuations) to an engine folder",
+                        description="Count, in the target's own answers held by a train-drafter work folder, which "
+                                    "token follows each context of 1..max-n tokens, and write the table the 'ngram' "
+                                    "drafter uses beside prompt lookup (ngram_table.npz in the engine folder, "
+                                    "written atomically); or install a table built elsewhere with --from.")
+    ng.add_argument("--target", type=Path, required=True, help="the target's engine folder")
+    src = ng.add_mutually_exclusive_group(required=True)
+    src.add_argument("--work", type=Path, help="train-drafter work folder holding the target's answers")
+    src.add_argument("--from", dest="from_file", type=Path, help="a table file to install (checked against the "
+                                                                  "engine's tokenizer)")
+    ng.add_argument("--prompts", type=int, default=None,
+                    help="with --work: use the answers to the first N training prompts (default: every answer shard)")
+    ng.add_argument("--max-n", type=int, default=4, help="longest context, in tokens (default: %(default)s)")
+    ng.add_argument("--output", type=Path, default=None,
+                    help="with --work: write the table here instead of into the engine folder")
+    ng.add_argument("-v", "--verbose", action="store_true", help="log details")
+
     rt = sub.add_parser("trt", help="build TensorRT engines from a portable engine folder (NVIDIA GPU + TensorRT)",
                         description="Build one TensorRT engine per precision from the folder's portable ONNX graphs "
                                     "(FP16 from the FP16 graph, INT8 from the QDQ graph): an optimization profile "
@@ -175,6 +195,16 @@ def main(argv: list[str] | None = None) -> int:
             from .trt import build_engines
 
             build_engines(args.engine, args.precisions, args.max_context, args.opt_context, progress)
+            return 0
+        if args.command == "ngram-table":
+            from .ngram_table import build_table, install_table
+
+            if args.from_file is not None:
+                if args.output is not None or args.prompts is not None:
+                    raise ExportError("--output and --prompts apply to building a table (--work), not to --from")
+                install_table(args.target, args.from_file, progress)
+            else:
+                build_table(args.target, args.work, args.prompts, args.max_n, args.output, progress)
             return 0
         if args.command == "drafter":
             from .drafter.install import install_drafter

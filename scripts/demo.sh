@@ -16,4 +16,9 @@ if [ -f "$weights/drafter.json" ] && ! "$py" -c "import sys, dspark_edge; sys.ex
   echo "[demo] adding the shipped DSpark drafter ($weights) to $engine" >&2
   "$py" -m export drafter --target "$engine" --weights "$weights"
 fi
+table=${DSPARK_NGRAM_TABLE:-drafters/smollm2-135m-ngram.npz}
+if [ -f "$table" ] && [ ! -f "$engine/ngram_table.npz" ]; then
+  echo "[demo] adding the shipped n-gram table ($table) to $engine" >&2
+  "$py" -m export ngram-table --target "$engine" --from "$table"
+fi
 exec "$py" examples/on_device_demo.py --engine "$engine" "$@"

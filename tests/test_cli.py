@@ -64,6 +64,19 @@ def test_bench_prints_measurements(tiny_engine):
     assert variants["ngram k=3"]["exact_prompts"] == "1/1"
 
 
+def test_bench_compares_several_drafters_in_one_run(tiny_engine, tiny_draft_self):
+    c = run("bench", "--engine", str(tiny_engine), "--limit", "1", "--max-new-tokens", "8", "--repeats", "2",
+            "--depth", "16", "--drafter", f"ngram:prompt,{tiny_draft_self}", "--draft-tokens", "2")
+    assert c.returncode == 0, c.stderr
+    variants = json.loads(c.stdout)["comparison"]["variants"]
+    assert list(variants) == ["plain", "ngram:prompt auto", "ngram:prompt k=2", f"{tiny_draft_self} auto",
+                              f"{tiny_draft_self} k=2"]
+    assert all(v["exact_prompts"] == "1/1" for v in variants.values())
+    assert variants[f"{tiny_draft_self} k=2"]["acceptance"] > 0.9  # the target's own weights: a real second drafter
+    bad = run("bench", "--engine", str(tiny_engine), "--limit", "1", "--drafter", "ngram,ngram")
+    assert bad.returncode == 2 and "twice" in bad.stderr
+
+
 def test_readme_embedding_example_runs(tiny_engine):
     """The README's first Python example, run against the tiny engine."""
     text = (REPO / "README.md").read_text()

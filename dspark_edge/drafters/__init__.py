@@ -3,26 +3,38 @@ lookup and an independent draft model. ``create`` turns a user's choice into a d
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from .base import AcceptanceTracker, Draft, Drafter, DraftRequest
 from .ngram import NgramDrafter
+from .ngram_table import FILE_NAME as TABLE_FILE
+from .ngram_table import NgramTable
 
-__all__ = ["AcceptanceTracker", "Draft", "DraftRequest", "Drafter", "NgramDrafter", "create"]
+log = logging.getLogger(__name__)
+
+__all__ = ["AcceptanceTracker", "Draft", "DraftRequest", "Drafter", "NgramDrafter", "NgramTable", "create"]
 
 
 def create(spec, target_manifest, options=None, verify_hashes: bool = True, engine_dir=None):
     """None/"none" → no drafter; "dspark" or "dspark:<precision>" → the engine folder's DSpark
-    drafter; "ngram" → NgramDrafter(); a folder path → its draft model; an object with
-    ``propose`` → used as is."""
+    drafter; "ngram" → NgramDrafter() with the engine folder's corpus table when it has one
+    (``ngram_table.npz``); "ngram:prompt" → prompt lookup alone; a folder path → its draft
+    model; an object with ``propose`` → used as is."""
     from ..errors import ConfigError
 
     if spec is None or spec == "none":
         return None
     if hasattr(spec, "propose"):
         return spec
-    if spec == "ngram":
-        return NgramDrafter()
+    if spec in ("ngram", "ngram:prompt"):
+        table_path = None if engine_dir is None or spec == "ngram:prompt" else Path(engine_dir) / TABLE_FILE
+        if table_path is None or not table_path.is_file():
+            return NgramDrafter()
+        tokenizer_sha = next((f.sha256 for f in target_manifest.files if f.path == target_manifest.tokenizer.file), None)
+        table = NgramTable.load(table_path, tokenizer_sha, target_manifest.model.source_sha256)
+        log.info("n-gram drafter: prompt lookup and the corpus table %s (%d contexts)", table_path, table.entries)
+        return NgramDrafter(table=table)
     if isinstance(spec, str) and (spec == "dspark" or spec.startswith("dspark:")):
         from .dspark import DSparkDrafter
 
@@ -34,5 +46,6 @@ def create(spec, target_manifest, options=None, verify_hashes: bool = True, engi
         from .draft_model import DraftModelDrafter
 
         return DraftModelDrafter(spec, target_manifest, options=options, verify_hashes=verify_hashes)
-    raise ConfigError(f"drafter {spec!r} is not 'none', 'dspark', 'dspark:<precision>', 'ngram', a draft-model "
+    raise ConfigError(f"drafter {spec!r} is not 'none', 'dspark', 'dspark:<precision>', 'ngram', 'ngram:prompt', "
+                      "a draft-model "
                       "engine folder, or a Drafter object")

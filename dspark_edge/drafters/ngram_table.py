@@ -1,0 +1,128 @@
+"""A corpus n-gram table for the n-gram drafter: for every context of 1…``max_n`` tokens seen in
+a corpus of the target's own answers, the token that most often followed it and how often
+(its share among all continuations of that context).
+
+Prompt lookup (``ngram.py``) only proposes text that already occurred in this conversation; the
+table adds the target's habitual phrasing ("Here is a", "```python\\ndef", "In summary,") where
+the conversation has no match. It is built by ``python -m export ngram-table`` from the target's
+greedy answers and lives in the engine folder as ``ngram_table.npz``:
+
+- ``keys_<n>`` [E_n] int64, sorted: the hash (``context_key``) of each n-token context;
+- ``next_<n>`` [E_n] int32: the most frequent next token; ``share_<n>`` [E_n] float16: its share;
+- ``meta``: JSON (format, the tokenizer's and the target model's sha256, how many answers and
+  tokens it was built from, the command).
+
+A lookup is one binary search per context length: O(log E) with no Python objects per entry, so
+a table of 10^5 contexts costs about 1.5 MB of memory. Hash collisions (2^-63 per pair) could
+only produce a wrong draft, which verification rejects; output never depends on the table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError, EngineError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+FILE_NAME = "ngram_table.npz"
+_MASK = (1 << 63) - 1
+
+
+def context_key(tokens: Sequence[int]) -> int:
+    """A 63-bit hash of a token tuple; the length is part of it. Shared by the builder and the
+    runtime, so it must never change for a given ``FORMAT``."""
+    key = len(tokens)
+    for t in tokens:
+        key = (key * 0x100000001B3 + int(t) + 1) & _MASK
+    return key
+
+
+@dataclass(frozen=True)
+class TableDraft:
+    tokens: list[int]
+    context_lengths: list[int]  # the context length each token was looked up with
+    shares: list[float]  # each token's share among the continuations of its context
+
+
+class NgramTable:
+    """The arrays of one table file, searched by ``continue_from``."""
+
+    def __init__(self, keys: dict[int, np.ndarray], nexts: dict[int, np.ndarray], shares: dict[int, np.ndarray],
+                 meta: dict) -> None:
+        self.keys, self.nexts, self.shares, self.meta = keys, nexts, shares, meta
+        self.lengths = sorted(keys, reverse=True)  # longest context first
+
+    @property
+    def entries(self) -> int:
+        return int(sum(k.size for k in self.keys.values()))
+
+    @classmethod
+    def load(cls, path: str | Path, tokenizer_sha256: str | None = None, source_sha256: str | None = None) -> "NgramTable":
+        """Read and check a table. A table built with another tokenizer is refused (its ids mean
+        other tokens); one built from another model with this tokenizer is used with a warning
+        (drafts never change the output, only how often they are accepted)."""
+        path = Path(path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(str(z["meta"]))
+                if meta.get("format") != FORMAT:
+                    raise EngineError(f"{path} is an n-gram table of format {meta.get('format')!r}; this dspark_edge "
+                                      f"reads format {FORMAT}: rebuild it with `python -m export ngram-table`")
+                lengths = [int(n) for n in meta["context_lengths"]]
+                keys = {n: z[f"keys_{n}"].astype(np.int64) for n in lengths}
+                nexts = {n: z[f"next_{n}"].astype(np.int64) for n in lengths}
+                shares = {n: z[f"share_{n}"].astype(np.float32) for n in lengths}
+        except EngineError:
+            raise
+        except (OSError, ValueError, KeyError) as exc:
+            raise EngineError(f"{path} is not a readable n-gram table ({exc}); rebuild it with "
+                              "`python -m export ngram-table`") from exc
+        for n in lengths:
+            if not (keys[n].shape == nexts[n].shape == shares[n].shape) or (np.diff(keys[n]) <= 0).any():
+                raise EngineError(f"{path}: the {n}-token contexts are not a sorted table; rebuild it with "
+                                  "`python -m export ngram-table`")
+        if tokenizer_sha256 and meta.get("tokenizer_sha256") != tokenizer_sha256:
+            raise ConfigError(f"{path} was built for another tokenizer (sha256 {str(meta.get('tokenizer_sha256'))[:12]}…, "
+                              f"the engine's is {tokenizer_sha256[:12]}…): rebuild it for this engine with "
+                              "`python -m export ngram-table`, or remove it")
+        if source_sha256 and meta.get("source_sha256") != source_sha256:
+            log.warning("%s was built from another model's answers (same tokenizer); its drafts will be accepted "
+                        "less often", path)
+        return cls(keys, nexts, shares, meta)
+
+    def lookup(self, context: Sequence[int], min_n: int = 1) -> tuple[int, int, float] | None:
+        """(next token, context length used, share) for the longest known suffix of ``context``
+        of at least ``min_n`` tokens, or None."""
+        for n in self.lengths:
+            if n < min_n or len(context) < n:
+                continue
+            keys = self.keys[n]
+            key = context_key(context[-n:])
+            i = int(np.searchsorted(keys, key))
+            if i < keys.size and int(keys[i]) == key:
+                return int(self.nexts[n][i]), n, float(self.shares[n][i])
+        return None
+
+    def continue_from(self, context: Sequence[int], k: int, min_n: int = 1) -> TableDraft:
+        """Up to ``k`` tokens, each the table's continuation of the context extended by the ones
+        before it; the first needs a context of at least ``min_n`` tokens."""
+        ctx = list(context[-max(self.lengths, default=1):])
+        out = TableDraft([], [], [])
+        for i in range(k):
+            hit = self.lookup(ctx, min_n if i == 0 else 1)
+            if hit is None:
+                break
+            tok, n, share = hit
+            out.tokens.append(tok)
+            out.context_lengths.append(n)
+            out.shares.append(share)
+            ctx = ctx[1:] + [tok] if len(ctx) >= max(self.lengths) else ctx + [tok]
+        return out

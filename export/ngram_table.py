@@ -1,0 +1,140 @@
+"""``python -m export ngram-table``: the n-gram drafter's corpus table
+(``dspark_edge.drafters.ngram_table``) from the target's own greedy answers.
+
+The answers are those a ``train-drafter`` work folder already holds (``<work>/data`` answer
+shards, and ``<work>/copy`` copy-task answers when present): only answer tokens are counted as
+continuations, each with up to ``max_n`` tokens of context before it (prompt tokens included).
+The table is written to a temporary file and renamed into place, so an engine folder never holds
+a half-written one; ``--from`` installs a table built elsewhere (the one the project ships) after
+checking it belongs to the engine's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from dspark_edge.drafters.ngram_table import FILE_NAME, FORMAT, NgramTable, context_key
+from dspark_edge.errors import ExportError
+from dspark_edge.manifest import read_manifest
+
+
+def count_continuations(sequences, max_n: int) -> dict[int, dict[tuple[int, ...], Counter]]:
+    """``sequences``: (token ids, index where the answer starts) pairs → for every context length
+    n ≤ ``max_n``, each n-token context followed by an answer token → Counter of those tokens."""
+    counts: dict[int, dict[tuple[int, ...], Counter]] = {n: defaultdict(Counter) for n in range(1, max_n + 1)}
+    for tokens, answer_start in sequences:
+        t = [int(x) for x in tokens]
+        for n, table in counts.items():
+            for j in range(max(n, answer_start), len(t)):
+                table[tuple(t[j - n:j])][t[j]] += 1
+    return counts
+
+
+def table_arrays(counts: dict[int, dict[tuple[int, ...], Counter]]) -> dict[str, np.ndarray]:
+    """The file's arrays: per context length, sorted context hashes, the most frequent next
+    token (ties: the smallest id, so the table does not depend on counting order) and its share."""
+    arrays: dict[str, np.ndarray] = {}
+    for n, table in counts.items():
+        rows = []
+        for ctx, c in table.items():
+            best = max(c.items(), key=lambda kv: (kv[1], -kv[0]))
+            rows.append((context_key(ctx), best[0], best[1] / sum(c.values())))
+        rows.sort()
+        keys = np.asarray([r[0] for r in rows], dtype=np.int64)
+        if keys.size and (np.diff(keys) == 0).any():
+            raise ExportError(f"two {n}-token contexts share a hash; report this with the data used")
+        arrays[f"keys_{n}"] = keys
+        arrays[f"next_{n}"] = np.asarray([r[1] for r in rows], dtype=np.int32)
+        arrays[f"share_{n}"] = np.asarray([r[2] for r in rows], dtype=np.float16)
+    return arrays
+
+
+def _answer_sequences(work: Path, prompts: int | None):
+    from .drafter.data import answer_shards, load_shards, shard_path
+
+    data_dir = work / "data"
+    if not data_dir.is_dir():
+        raise ExportError(f"{work} holds no answer shards ({data_dir} is missing); write them with "
+                          f"`python -m export train-drafter --target ENGINE --output DIR --work {work} --steps 1`")
+    if prompts is None:
+        n_shards = 0
+        while shard_path(data_dir, n_shards).is_file():
+            n_shards += 1
+        if n_shards == 0:
+            raise ExportError(f"{data_dir} holds no answer shards (shard-00000.npz …)")
+        paths = [shard_path(data_dir, i) for i in range(n_shards)]
+    else:
+        paths = answer_shards(work, prompts)
+    copy = sorted((work / "copy").glob("shard-*.npz")) if (work / "copy").is_dir() else []
+    seqs, answers, tokens = [], 0, 0
+    for group in (paths, copy):
+        if not group:
+            continue
+        data = load_shards(group)
+        n = len(data) if prompts is None or group is copy else min(len(data), prompts)
+        for i in range(n):
+            a, b = data.span(i)
+            p = int(data.prompt_lens[i])
+            seqs.append((data.tokens[a:b], p))
+            answers += 1
+            tokens += b - a - p
+    return seqs, answers, tokens, len(paths), len(copy)
+
+
+def _write(path: Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}.npz")
+    try:
+        np.savez_compressed(tmp, meta=np.asarray(json.dumps(meta, sort_keys=True)), **arrays)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def build_table(target: Path, work: Path, prompts: int | None = None, max_n: int = 4, output: Path | None = None,
+                progress=print) -> Path:
+    """Count the answers in ``work`` and write the table to ``output`` (default: the engine
+    folder's ``ngram_table.npz``)."""
+    if not 1 <= max_n <= 8:
+        raise ExportError(f"--max-n must be in 1..8, got {max_n}")
+    manifest = read_manifest(target)
+    seqs, answers, tokens, n_shards, n_copy = _answer_sequences(work, prompts)
+    progress(f"[1/2] counting continuations in {answers} answers ({tokens} answer tokens; {n_shards} answer "
+             f"shard(s), {n_copy} copy-task shard(s))")
+    arrays = table_arrays(count_continuations(seqs, max_n))
+    tok_sha = next(f.sha256 for f in manifest.files if f.path == manifest.tokenizer.file)
+    entries = {n: int(arrays[f"keys_{n}"].size) for n in range(1, max_n + 1)}
+    meta = {"format": FORMAT, "context_lengths": list(range(1, max_n + 1)), "entries": entries,
+            "tokenizer_sha256": tok_sha, "source_sha256": manifest.model.source_sha256, "model": manifest.model.name,
+            "answers": answers, "answer_tokens": tokens, "work": str(work),
+            "command": ("python -m export " + " ".join(shlex.quote(a) for a in sys.argv[1:])) if sys.argv[1:] else ""}
+    out = output or target / FILE_NAME
+    _write(out, arrays, meta)
+    progress(f"[2/2] wrote {out}: {sum(entries.values())} contexts ({', '.join(f'{n}: {e}' for n, e in entries.items())}), "
+             f"{out.stat().st_size / 1e6:.1f} MB")
+    return out
+
+
+def install_table(target: Path, source: Path, progress=print) -> Path:
+    """Copy a table file into the engine folder after checking it belongs to its tokenizer."""
+    manifest = read_manifest(target)
+    if not source.is_file():
+        raise ExportError(f"{source} does not exist; build a table with `python -m export ngram-table --work WORK`")
+    tok_sha = next(f.sha256 for f in manifest.files if f.path == manifest.tokenizer.file)
+    table = NgramTable.load(source, tok_sha, manifest.model.source_sha256)
+    out = target / FILE_NAME
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    progress(f"installed {source} into {out}: {table.entries} contexts from {table.meta.get('answers')} answers")
+    return out

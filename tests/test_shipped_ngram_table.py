@@ -1,0 +1,62 @@
+"""The corpus n-gram table shipped for the embedded default (``drafters/smollm2-135m-ngram.npz``):
+it is small and documented, installs into the default engine (tokenizer checked), keeps greedy
+output exact, and makes the n-gram drafter accepted more often than prompt lookup alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dspark_edge
+from dspark_edge.drafters.ngram_table import FILE_NAME, NgramTable
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+TABLE = REPO / "drafters" / "smollm2-135m-ngram.npz"
+
+
+@pytest.fixture(scope="module")
+def engine(default_engine, tmp_path_factory):
+    """The default engine's files linked into a folder of its own, with the table installed
+    there (the shared default engine stays without one)."""
+    from export.__main__ import main
+
+    out = tmp_path_factory.mktemp("default-with-table") / "engine"
+    out.mkdir()
+    for item in default_engine.iterdir():
+        if item.name != FILE_NAME:
+            (out / item.name).symlink_to(item.resolve())
+    assert main(["ngram-table", "--target", str(out), "--from", str(TABLE)]) == 0
+    return out
+
+
+def test_shipped_table_is_small_and_documented(default_engine):
+    assert TABLE.stat().st_size <= 5 * 2**20
+    m = dspark_edge.read_manifest(default_engine)
+    tok_sha = next(f.sha256 for f in m.files if f.path == m.tokenizer.file)
+    table = NgramTable.load(TABLE, tok_sha, m.model.source_sha256)
+    assert table.meta["source_sha256"] == m.model.source_sha256
+    assert "ngram-table" in table.meta["command"] and table.meta["answers"] >= 400
+    assert table.entries == sum(table.meta["entries"].values()) > 10_000
+
+
+def test_table_drafts_keep_greedy_exact_and_are_accepted_more(engine):
+    prompts = [json.loads(line) for line in (REPO / "bench" / "prompts.jsonl").read_text().splitlines()]
+    picked = [p["messages"] for p in prompts if p["id"] in ("chat-1", "story-1", "code-1")]
+    plain = dspark_edge.load(engine, "fp32")
+    with_table = dspark_edge.load(engine, "fp32", drafter="ngram", scheduler=False)
+    prompt_only = dspark_edge.load(engine, "fp32", drafter="ngram:prompt", scheduler=False)
+    assert with_table.drafter.name == "ngram+table" and prompt_only.drafter.table is None
+    accepted = {"table": 0, "prompt": 0}
+    for messages in picked:
+        want = plain.generate(messages, max_new_tokens=48, ignore_eos=True).token_ids
+        for name, pipe in (("table", with_table), ("prompt", prompt_only)):
+            r = pipe.generate(messages, max_new_tokens=48, ignore_eos=True, draft_tokens=3)
+            assert r.token_ids == want, name
+            accepted[name] += r.stats.draft_n_accepted
+    assert accepted["table"] > accepted["prompt"], accepted
+    assert np.isfinite(with_table.drafter.table.shares[2]).all()
