@@ -165,9 +165,13 @@ def build_graph(hf_dir: Path, out_dir: Path, precision: str, hidden_layers: tupl
            "-p", precision, "-e", "cpu", "-c", str(cache)]
     if hidden_layers:
         cmd += ["--extra_options", "aux_hidden_state_layers=" + ",".join(str(i) for i in hidden_layers)]
+    # The builder stamps the graph's producer_version with `git rev-parse HEAD` run five folders
+    # above its own file: with the environment inside a git checkout (.venv in this project),
+    # that is the checkout's commit, and every commit would change the graph's hash (and mark
+    # every device profile stale). No git repository for it: it falls back to its own release.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GIT_DIR": os.devnull}
     with open(log_path, "w") as logf:
-        proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                              preexec_fn=_die_with_parent)
+        proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
     shutil.rmtree(cache, ignore_errors=True)
     if proc.returncode != 0:
         tail = log_path.read_text(errors="replace").replace("\r", "\n").splitlines()[-15:]

@@ -62,6 +62,22 @@ def test_hidden_layers_out_of_range_leave_nothing(tmp_path, tiny_hf):
     assert not list(tmp_path.glob(".out.*"))
 
 
+def test_graph_does_not_depend_on_the_checkout_commit(tiny_engine):
+    """The graph builder would stamp the checkout's git commit into the graph (its environment
+    lives inside this repository), changing the graph's hash, and so every device profile's
+    engine identity, with every commit."""
+    import onnx
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                          text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    for precision in ("fp32", "int8"):
+        graph = onnx.load(str(tiny_engine / "target" / precision / "model.onnx"), load_external_data=False)
+        assert graph.producer_name == "onnxruntime-genai"
+        assert head.stdout.strip()[:7] not in graph.producer_version, graph.producer_version
+
+
 def test_default_hidden_layers_spread_and_exclude_ends():
     assert default_hidden_layers(30) == (8, 15, 22)
     assert default_hidden_layers(3) == (1, 2)
