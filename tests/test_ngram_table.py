@@ -216,3 +216,24 @@ def test_cli_errors_name_the_fix(engine_copy, tmp_path, capsys):
     assert main(["ngram-table", "--target", str(engine_copy), "--from", str(tmp_path / "x.npz")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (engine_copy / FILE_NAME).exists()
+
+
+def test_replay_bench_counts_rounds_like_the_pipeline():
+    """bench/ngram_replay.py: every round commits the accepted drafts plus one token, so the
+    rounds add up to the answer; the table's drafts shorten a repetitive answer's rounds."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from ngram_replay import replay
+
+    answer = [10, 11, 12, 13, 14, 15] * 3
+    answers = [{"id": "a", "category": "x", "prompt": [1, 2], "answer": answer}]
+    table = make_table([([1, 2] + answer, 2)], max_n=3)
+    plain = replay(NgramDrafter, answers, 3)
+    with_table = replay(lambda: NgramDrafter(table=table), answers, 3)
+    for r in (plain, with_table):
+        assert r["tau"] == pytest.approx(len(answer) / r["rounds"], abs=1e-3)
+    assert with_table["rounds"] < plain["rounds"]
+    judged = sum(b["drafts"] for b in with_table["table_reliability"].values())
+    assert judged > 0 and not plain["table_reliability"]
