@@ -585,3 +585,32 @@ def test_shards_from_other_inputs_are_refused(tmp_path):
     check_digest(tmp_path, "inputs.sha256", "abc", "delete it")  # the same inputs: fine
     with pytest.raises(ExportError, match="other inputs; delete it"):
         check_digest(tmp_path, "inputs.sha256", "abd", "delete it")
+
+
+def test_growing_the_prompt_count_completes_a_short_last_shard(tmp_path, monkeypatch):
+    """A run with --prompts 5 writes a last shard of 1 answer (4 a shard); asked for 7 later, that
+    shard is rewritten with 3 answers, so no prompt between the two counts is skipped, and the
+    full shard before it is kept."""
+    from export.drafter import data
+
+    written: list[tuple[str, int]] = []
+
+    def fake_answers(model, prompt_ids, max_new_tokens, eos_id, pad_id, batch):
+        return [[7, 8] for _ in prompt_ids]
+
+    def fake_write(path, decoder, seqs, top_k):
+        written.append((path.name, len(seqs)))
+        np.savez(path, prompt_lens=np.asarray([len(p) for p, _ in seqs], dtype=np.int32))
+
+    class Tok:
+        def encode_chat(self, messages):
+            return [1, 2, len(messages[0]["content"])]
+
+    monkeypatch.setattr(data, "generate_answers", fake_answers)
+    monkeypatch.setattr(data, "write_shard", fake_write)
+    prompts = [{"messages": [{"role": "user", "content": "x" * (i + 1)}]} for i in range(7)]
+    paths = data.build_shards(None, None, Tok(), prompts[:5], tmp_path, 0, 0, per_shard=4)
+    assert written == [("shard-00000.npz", 4), ("shard-00001.npz", 1)]
+    paths = data.build_shards(None, None, Tok(), prompts, tmp_path, 0, 0, per_shard=4)
+    assert written[2:] == [("shard-00001.npz", 3)]
+    assert data.count_sequences(paths) == 7

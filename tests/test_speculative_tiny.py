@@ -150,11 +150,29 @@ def _chi2_rejects(pipe, prompt, exact, n, top_k, **extra) -> bool:
     return chi2 > crit
 
 
-@pytest.mark.parametrize("drafter", ["poor", "ngram"])
-def test_sampled_speculative_follows_target_distribution(tiny_engine, tiny_draft_poor, drafter):
-    src = tiny_draft_poor if drafter == "poor" else NgramDrafter(min_n=1, max_n=2)
-    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=src)
+def _table_drafter(pipe, prompt: str) -> NgramDrafter:
+    """An n-gram drafter with a corpus table counted from a few sampled continuations of
+    ``prompt``: it drafts at every position, often the likely token and often not."""
+    from dspark_edge.drafters import NgramTable
+    from export.ngram_table import count_continuations, table_arrays
+
+    ids = pipe.encode_prompt(prompt)
+    seqs = [(ids + list(pipe.generate(prompt, max_new_tokens=6, temperature=1.0, seed=s, ignore_eos=True).token_ids),
+             len(ids)) for s in range(6)]
+    arrays = table_arrays(count_continuations(seqs, 2))
+    table = NgramTable({n: arrays[f"keys_{n}"] for n in (1, 2)}, {n: arrays[f"next_{n}"].astype(np.int64) for n in (1, 2)},
+                       {n: arrays[f"share_{n}"].astype(np.float32) for n in (1, 2)}, {"format": 1})
+    return NgramDrafter(min_n=1, max_n=2, table=table)
+
+
+@pytest.mark.parametrize("drafter", ["poor", "ngram", "ngram+table"])
+def test_sampled_speculative_follows_target_distribution(plain, tiny_engine, tiny_draft_poor, drafter):
     prompt = "The quick brown fox The quick brown"
+    src = tiny_draft_poor if drafter == "poor" else NgramDrafter(min_n=1, max_n=2) if drafter == "ngram" else \
+        _table_drafter(plain, prompt)
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=src)
+    drafted = spec.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=4, seed=0, ignore_eos=True).stats
+    assert drafted.draft_n > 0  # the drafts are really there to be judged
     exact = _exact_joint(spec, spec.encode_prompt(prompt), top_k=4)
     assert not _chi2_rejects(spec, prompt, exact, 3000, 4)
 
@@ -307,7 +325,7 @@ def test_drafter_statistics_are_per_generation_by_default():
 def test_coupled_sampling_depends_on_the_seed_alone(plain, tiny_engine, tiny_draft_poor, tiny_draft_self):
     """sampling="coupled": the same seed gives plain decoding's answer with any drafter, at any
     fixed width and with the scheduler choosing widths from live timing."""
-    drafters = [tiny_draft_poor, tiny_draft_self, NgramDrafter(min_n=1, max_n=2)]
+    drafters = [tiny_draft_poor, tiny_draft_self, NgramDrafter(min_n=1, max_n=2), _table_drafter(plain, PROMPTS[0])]
     for seed in range(4):
         kw = dict(max_new_tokens=24, temperature=0.9, top_k=20, top_p=0.95, seed=seed, ignore_eos=True,
                   sampling="coupled")

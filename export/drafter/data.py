@@ -122,10 +122,10 @@ def check_digest(folder: Path, name: str, digest: str, fix: str) -> None:
         raise ExportError(f"the shards in {folder} were made from other inputs; {fix}")
 
 
-def fill_shards(paths: list[Path], make, label: str, progress=None) -> None:
-    """``make(i)`` for every shard path not written yet (it writes ``paths[i]`` and returns what
-    it holds, for the progress line with the rate and ETA)."""
-    todo = [i for i, p in enumerate(paths) if not p.is_file()]
+def fill_shards(paths: list[Path], make, label: str, progress=None, complete=None) -> None:
+    """``make(i)`` for every shard path not written yet, or written but not ``complete(i)`` (it
+    writes ``paths[i]`` and returns what it holds, for the progress line with the rate and ETA)."""
+    todo = [i for i, p in enumerate(paths) if not p.is_file() or (complete is not None and not complete(i))]
     t0 = time.perf_counter()
     for done, i in enumerate(todo, 1):
         what = make(i)
@@ -168,7 +168,12 @@ def build_shards(model, decoder, tokenizer, prompts: list[dict], folder: Path, e
         write_shard(paths[i], decoder, list(zip(prompt_ids, answers)), top_k)
         return f"{sum(len(a) for a in answers)} answer tokens"
 
-    fill_shards(paths, make, "data", progress)
+    def complete(i: int) -> bool:
+        # A last shard written for fewer prompts is rewritten when more are asked for, so that
+        # growing --prompts never skips the prompts between the old and the new shard boundary.
+        return count_sequences([paths[i]]) >= len(prompts[i * per_shard:(i + 1) * per_shard])
+
+    fill_shards(paths, make, "data", progress, complete)
     return paths
 
 
