@@ -165,14 +165,17 @@ def _table_drafter(pipe, prompt: str) -> NgramDrafter:
     return NgramDrafter(min_n=1, max_n=2, table=table)
 
 
-@pytest.mark.parametrize("drafter", ["poor", "ngram", "ngram+table"])
+@pytest.mark.parametrize("drafter", ["poor", "ngram"])
 def test_sampled_speculative_follows_target_distribution(plain, tiny_engine, tiny_draft_poor, drafter):
     prompt = "The quick brown fox The quick brown"
-    src = tiny_draft_poor if drafter == "poor" else NgramDrafter(min_n=1, max_n=2) if drafter == "ngram" else \
-        _table_drafter(plain, prompt)
+    # n-gram drafts are deterministic (no q): accepted with probability p(draft). Prompt lookup
+    # alone finds no match after the tiny model's sampled tokens, so the n-gram drafter carries a
+    # corpus table of such samples, which makes it draft.
+    src = tiny_draft_poor if drafter == "poor" else _table_drafter(plain, prompt)
     spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=src)
-    drafted = spec.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=4, seed=0, ignore_eos=True).stats
-    assert drafted.draft_n > 0  # the drafts are really there to be judged
+    drafted = sum(spec.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=4, seed=s, ignore_eos=True).stats.draft_n
+                  for s in range(20))
+    assert drafted > 0  # the drafts are really there to be judged
     exact = _exact_joint(spec, spec.encode_prompt(prompt), top_k=4)
     assert not _chi2_rejects(spec, prompt, exact, 3000, 4)
 
