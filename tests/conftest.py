@@ -37,6 +37,16 @@ def tiny_engine(tmp_path_factory, tiny_hf) -> Path:
     return out
 
 
+@pytest.fixture()
+def engine_copy(tiny_engine, tmp_path) -> Path:
+    """A private copy of the tiny engine, for tests that change an engine folder."""
+    import shutil
+
+    dst = tmp_path / "engine"
+    shutil.copytree(tiny_engine, dst)
+    return dst
+
+
 @pytest.fixture(scope="session")
 def tiny_torch(tiny_hf):
     import torch

@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 import dspark_edge
 from dspark_edge.errors import EngineError, ManifestError
 from dspark_edge.manifest import MANIFEST_NAME, Manifest, read_manifest, verify_files
-
-
-@pytest.fixture()
-def engine_copy(tiny_engine, tmp_path):
-    dst = tmp_path / "engine"
-    shutil.copytree(tiny_engine, dst)
-    return dst
 
 
 def _edit(engine, fn):

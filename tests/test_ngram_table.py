@@ -127,13 +127,6 @@ def _fake_work(tmp_path, sequences):
     return work
 
 
-@pytest.fixture()
-def engine_copy(tiny_engine, tmp_path):
-    out = tmp_path / "engine"
-    shutil.copytree(tiny_engine, out)
-    return out
-
-
 def test_export_builds_installs_and_the_pipeline_stays_exact(engine_copy, tmp_path):
     from export.__main__ import main
 
