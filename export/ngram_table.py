@@ -58,34 +58,36 @@ def table_arrays(counts: dict[int, dict[tuple[int, ...], Counter]]) -> dict[str,
 
 
 def _answer_sequences(work: Path, prompts: int | None):
-    from .drafter.data import answer_shards, load_shards, shard_path
+    from .drafter.data import answer_shards, shard_path
 
     data_dir = work / "data"
     if not data_dir.is_dir():
         raise ExportError(f"{work} holds no answer shards ({data_dir} is missing); write them with "
                           f"`python -m export train-drafter --target ENGINE --output DIR --work {work} --steps 1`")
-    if prompts is None:
-        n_shards = 0
-        while shard_path(data_dir, n_shards).is_file():
-            n_shards += 1
-        if n_shards == 0:
-            raise ExportError(f"{data_dir} holds no answer shards (shard-00000.npz …)")
-        paths = [shard_path(data_dir, i) for i in range(n_shards)]
-    else:
-        paths = answer_shards(work, prompts)
-    copy = sorted((work / "copy").glob("shard-*.npz")) if (work / "copy").is_dir() else []
+    def written(folder: Path) -> list[Path]:
+        # shard-00000.npz, shard-00001.npz … as far as they go (a shard being written has
+        # another name until it is complete)
+        out: list[Path] = []
+        while shard_path(folder, len(out)).is_file():
+            out.append(shard_path(folder, len(out)))
+        return out
+
+    paths = written(data_dir) if prompts is None else answer_shards(work, prompts)
+    if not paths:
+        raise ExportError(f"{data_dir} holds no answer shards (shard-00000.npz …)")
+    copy = written(work / "copy")
     seqs, answers, tokens = [], 0, 0
     for group in (paths, copy):
-        if not group:
-            continue
-        data = load_shards(group)
-        n = len(data) if prompts is None or group is copy else min(len(data), prompts)
-        for i in range(n):
-            a, b = data.span(i)
-            p = int(data.prompt_lens[i])
-            seqs.append((data.tokens[a:b], p))
-            answers += 1
-            tokens += b - a - p
+        for path in group:
+            with np.load(path) as shard:  # the tokens only: the features stay on disk
+                ids, offsets, prompt_lens = shard["tokens"], shard["offsets"], shard["prompt_lens"]
+            for i in range(prompt_lens.shape[0]):
+                if group is paths and prompts is not None and answers >= prompts:
+                    break
+                a, b, p = int(offsets[i]), int(offsets[i + 1]), int(prompt_lens[i])
+                seqs.append((ids[a:b], p))
+                answers += 1
+                tokens += b - a - p
     return seqs, answers, tokens, len(paths), len(copy)
 
 
