@@ -230,3 +230,17 @@ def test_replay_bench_counts_rounds_like_the_pipeline():
     assert with_table["rounds"] < plain["rounds"]
     judged = sum(b["drafts"] for b in with_table["table_reliability"].values())
     assert judged > 0 and not plain["table_reliability"]
+
+
+def test_build_counts_the_first_answers_and_the_copy_tasks(engine_copy, tmp_path):
+    from export.ngram_table import build_table
+
+    work = _fake_work(tmp_path, [([1], [2, 3]), ([1], [4, 5]), ([1], [6, 7])])
+    copy = _fake_work(tmp_path / "c", [([9], [8, 8, 8])])
+    (copy / "data").rename(work / "copy")
+    (work / "copy" / "shard-00001.tmp.npz").write_bytes(b"being written")  # not complete: not read
+    out = build_table(engine_copy, work, prompts=2, output=tmp_path / "t.npz", progress=lambda m: None)
+    table = NgramTable.load(out)
+    assert table.meta["answers"] == 3 and table.meta["answer_tokens"] == 2 + 2 + 3
+    assert table.lookup([1])[0] == 2 and table.lookup([6]) is None  # the third answer (1 → 6 7) is left out
+    assert table.lookup([9])[0] == 8
