@@ -127,7 +127,7 @@ def _fake_work(tmp_path, sequences):
     return work
 
 
-def test_export_builds_installs_and_the_pipeline_stays_exact(engine_copy, tmp_path):
+def test_export_builds_installs_and_the_pipeline_stays_exact(engine_copy, tmp_path, capsys):
     from export.__main__ import main
 
     plain = dspark_edge.load(engine_copy)
@@ -150,6 +150,12 @@ def test_export_builds_installs_and_the_pipeline_stays_exact(engine_copy, tmp_pa
     # the table's own answers are drafted back: most of the second answer comes from drafts
     again = spec.generate(prompts[1], max_new_tokens=24, ignore_eos=True, draft_tokens=3)
     assert again.stats.draft_n_accepted >= 8
+
+    from dspark_edge.cli import main as cli_main
+
+    assert cli_main(["inspect", "--engine", str(engine_copy), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["ngram_table"]
+    assert shown["contexts"] == NgramTable.load(engine_copy / FILE_NAME).entries and shown["answers"] == 3
 
     # --from installs a copy into another engine folder; the bytes are the table's
     other = tmp_path / "other"
