@@ -33,8 +33,8 @@ def record_answers(engine: Path, prompts: list[dict], max_new_tokens: int) -> li
     for i, rec in enumerate(prompts, 1):
         prompt = rec.get("messages") or rec["prompt"]
         r = pipe.generate(prompt, max_new_tokens=max_new_tokens)
-        ids = pipe.tokenizer.encode_chat(prompt) if isinstance(prompt, list) else pipe.tokenizer.encode(prompt)
-        out.append({"id": rec["id"], "category": rec["category"], "prompt": ids, "answer": list(r.token_ids)})
+        out.append({"id": rec["id"], "category": rec["category"], "prompt": pipe.encode_prompt(prompt),
+                    "answer": list(r.token_ids)})
         print(f"[replay] answer {i}/{len(prompts)}: {rec['id']} ({len(r.token_ids)} tokens)", file=sys.stderr, flush=True)
     return out
 
@@ -101,9 +101,7 @@ def main() -> int:
         raise ConfigError(f"--draft-tokens takes comma-separated integers, got {args.draft_tokens!r}") from None
     if not ks or min(ks) < 1:
         raise ConfigError(f"--draft-tokens must list lengths >= 1, got {args.draft_tokens!r}")
-    m = read_manifest(args.engine)
-    tok_sha = next(f.sha256 for f in m.files if f.path == m.tokenizer.file)
-    table = NgramTable.load(args.table, tok_sha, m.model.source_sha256)
+    table = NgramTable.load_for(args.table, read_manifest(args.engine))
     if args.answers is not None and args.answers.is_file():
         answers = json.loads(args.answers.read_text())
     else:

@@ -412,9 +412,8 @@ def _ngram_table_summary(engine, manifest) -> dict | None:
     path = Path(engine) / FILE_NAME
     if not path.is_file():
         return None
-    tok_sha = next((f.sha256 for f in manifest.files if f.path == manifest.tokenizer.file), None)
     try:
-        t = NgramTable.load(path, tok_sha)
+        t = NgramTable.load_for(path, manifest)
     except DSparkError as exc:
         return {"file": FILE_NAME, "error": str(exc)}
     return {"file": FILE_NAME, "contexts": t.entries, "max_n": max(t.lengths, default=0),

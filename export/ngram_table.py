@@ -11,12 +11,14 @@ checking it belongs to the engine's tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import shutil
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -91,11 +93,17 @@ def _answer_sequences(work: Path, prompts: int | None):
     return seqs, answers, tokens, len(paths), len(copy)
 
 
-def _write(path: Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}.npz")
+@contextlib.contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path``, renamed onto it when the block succeeds and removed
+    otherwise: ``path`` is either the old file or the complete new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}.npz")  # .npz: savez keeps the name as is
     try:
-        np.savez_compressed(tmp, meta=np.asarray(json.dumps(meta, sort_keys=True)), **arrays)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
         os.replace(tmp, path)
+    except OSError as exc:  # disk full, permissions: say so; what was there stays
+        raise ExportError(f"writing {path} failed ({exc}); {path} is unchanged") from exc
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -111,14 +119,15 @@ def build_table(target: Path, work: Path, prompts: int | None = None, max_n: int
     progress(f"[1/2] counting continuations in {answers} answers ({tokens} answer tokens; {n_shards} answer "
              f"shard(s), {n_copy} copy-task shard(s))")
     arrays = table_arrays(count_continuations(seqs, max_n))
-    tok_sha = next(f.sha256 for f in manifest.files if f.path == manifest.tokenizer.file)
+    tok_sha = manifest.file_entry(manifest.tokenizer.file).sha256
     entries = {n: int(arrays[f"keys_{n}"].size) for n in range(1, max_n + 1)}
     meta = {"format": FORMAT, "context_lengths": list(range(1, max_n + 1)), "entries": entries,
             "tokenizer_sha256": tok_sha, "source_sha256": manifest.model.source_sha256, "model": manifest.model.name,
             "answers": answers, "answer_tokens": tokens, "work": str(work),
             "command": ("python -m export " + " ".join(shlex.quote(a) for a in sys.argv[1:])) if sys.argv[1:] else ""}
     out = output or target / FILE_NAME
-    _write(out, arrays, meta)
+    with _replacing(out) as tmp:
+        np.savez_compressed(tmp, meta=np.asarray(json.dumps(meta, sort_keys=True)), **arrays)
     progress(f"[2/2] wrote {out}: {sum(entries.values())} contexts ({', '.join(f'{n}: {e}' for n, e in entries.items())}), "
              f"{out.stat().st_size / 1e6:.1f} MB")
     return out
@@ -129,14 +138,9 @@ def install_table(target: Path, source: Path, progress=print) -> Path:
     manifest = read_manifest(target)
     if not source.is_file():
         raise ExportError(f"{source} does not exist; build a table with `python -m export ngram-table --work WORK`")
-    tok_sha = next(f.sha256 for f in manifest.files if f.path == manifest.tokenizer.file)
-    table = NgramTable.load(source, tok_sha, manifest.model.source_sha256)
+    table = NgramTable.load_for(source, manifest)
     out = target / FILE_NAME
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    try:
+    with _replacing(out) as tmp:
         shutil.copyfile(source, tmp)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     progress(f"installed {source} into {out}: {table.entries} contexts from {table.meta.get('answers')} answers")
     return out

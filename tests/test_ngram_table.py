@@ -215,6 +215,15 @@ def test_cli_errors_name_the_fix(engine_copy, tmp_path, capsys):
     assert main(["ngram-table", "--target", str(engine_copy), "--from", str(tmp_path / "x.npz")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (engine_copy / FILE_NAME).exists()
+    work = _fake_work(tmp_path, [([1], [2, 3])])
+    blocked = tmp_path / "a-folder.npz"
+    (blocked / "kept").mkdir(parents=True)  # the output path is a folder: the write fails, it stays
+    assert main(["ngram-table", "--target", str(engine_copy), "--work", str(work), "--output", str(blocked)]) == 2
+    assert "failed" in capsys.readouterr().err and (blocked / "kept").is_dir()
+    assert not [q for q in tmp_path.iterdir() if "partial" in q.name]
+    nested = tmp_path / "new" / "folder" / "t.npz"  # missing parent folders are made
+    assert main(["ngram-table", "--target", str(engine_copy), "--work", str(work), "--output", str(nested)]) == 0
+    assert NgramTable.load(nested).meta["answers"] == 1
 
 
 def test_replay_bench_counts_rounds_like_the_pipeline():

@@ -37,8 +37,7 @@ def engine(default_engine, tmp_path_factory):
 def test_shipped_table_is_small_and_documented(default_engine):
     assert TABLE.stat().st_size <= 5 * 2**20
     m = dspark_edge.read_manifest(default_engine)
-    tok_sha = next(f.sha256 for f in m.files if f.path == m.tokenizer.file)
-    table = NgramTable.load(TABLE, tok_sha, m.model.source_sha256)
+    table = NgramTable.load_for(TABLE, m)
     assert table.meta["source_sha256"] == m.model.source_sha256
     assert "ngram-table" in table.meta["command"] and table.meta["answers"] >= 400
     assert table.entries == sum(table.meta["entries"].values()) > 10_000

@@ -31,8 +31,7 @@ def create(spec, target_manifest, options=None, verify_hashes: bool = True, engi
         table_path = None if engine_dir is None or spec == "ngram:prompt" else Path(engine_dir) / TABLE_FILE
         if table_path is None or not table_path.is_file():
             return NgramDrafter()
-        tokenizer_sha = next((f.sha256 for f in target_manifest.files if f.path == target_manifest.tokenizer.file), None)
-        table = NgramTable.load(table_path, tokenizer_sha, target_manifest.model.source_sha256)
+        table = NgramTable.load_for(table_path, target_manifest)
         log.info("n-gram drafter: prompt lookup and the corpus table %s (%d contexts)", table_path, table.entries)
         return NgramDrafter(table=table)
     if isinstance(spec, str) and (spec == "dspark" or spec.startswith("dspark:")):

@@ -132,7 +132,7 @@ class NgramDrafter:
             return None
         buckets = [(n, int(np.searchsorted(SHARE_BINS, share, side="right")))
                    for n, share in zip(found.context_lengths, found.shares)]
-        self._last_n, self._last_buckets = None, buckets
+        self._last_buckets = buckets
         conf = np.asarray([self.table_stats[b].rate for b in buckets], dtype=np.float64)
         return Draft(np.asarray(found.tokens, dtype=np.int64), None, conf)
 

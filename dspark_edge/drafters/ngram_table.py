@@ -13,7 +13,7 @@ greedy answers and lives in the engine folder as ``ngram_table.npz``:
   tokens it was built from, the command).
 
 A lookup is one binary search per context length: O(log E) with no Python objects per entry, so
-a table of 10^5 contexts costs about 1.5 MB of memory. Hash collisions (2^-63 per pair) could
+a context costs 16 bytes of memory (1.6 MB for 10^5 contexts). Hash collisions (2^-63 per pair) could
 only produce a wrong draft, which verification rejects; output never depends on the table.
 """
 
@@ -78,7 +78,7 @@ class NgramTable:
                                       f"reads format {FORMAT}: rebuild it with `python -m export ngram-table`")
                 lengths = [int(n) for n in meta["context_lengths"]]
                 keys = {n: z[f"keys_{n}"].astype(np.int64) for n in lengths}
-                nexts = {n: z[f"next_{n}"].astype(np.int64) for n in lengths}
+                nexts = {n: z[f"next_{n}"].astype(np.int32) for n in lengths}
                 shares = {n: z[f"share_{n}"].astype(np.float32) for n in lengths}
         except EngineError:
             raise
@@ -98,6 +98,11 @@ class NgramTable:
                         "less often", path)
         return cls(keys, nexts, shares, meta)
 
+    @classmethod
+    def load_for(cls, path: str | Path, manifest) -> "NgramTable":
+        """``load`` checked against an engine's manifest (its tokenizer file and model)."""
+        return cls.load(path, manifest.file_entry(manifest.tokenizer.file).sha256, manifest.model.source_sha256)
+
     def lookup(self, context: Sequence[int], min_n: int = 1) -> tuple[int, int, float] | None:
         """(next token, context length used, share) for the longest known suffix of ``context``
         of at least ``min_n`` tokens, or None."""
@@ -114,7 +119,8 @@ class NgramTable:
     def continue_from(self, context: Sequence[int], k: int, min_n: int = 1) -> TableDraft:
         """Up to ``k`` tokens, each the table's continuation of the context extended by the ones
         before it; the first needs a context of at least ``min_n`` tokens."""
-        ctx = list(context[-max(self.lengths, default=1):])
+        longest = max(self.lengths, default=1)
+        ctx = list(context[-longest:])
         out = TableDraft([], [], [])
         for i in range(k):
             hit = self.lookup(ctx, min_n if i == 0 else 1)
@@ -124,5 +130,5 @@ class NgramTable:
             out.tokens.append(tok)
             out.context_lengths.append(n)
             out.shares.append(share)
-            ctx = ctx[1:] + [tok] if len(ctx) >= max(self.lengths) else ctx + [tok]
+            ctx = ctx[1:] + [tok] if len(ctx) >= longest else ctx + [tok]
         return out
