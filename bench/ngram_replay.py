@@ -39,45 +39,83 @@ def record_answers(engine: Path, prompts: list[dict], max_new_tokens: int) -> li
     return out
 
 
-def replay(make_drafter, answers: list[dict], k: int) -> dict:
+def replay(make_drafter, answers: list[dict], policy, verify_ms: dict[int, float] | None = None,
+           widths: tuple[int, ...] = ()) -> dict:
+    """Replays rounds over the recorded answers. ``policy``: an int (fixed draft length k),
+    ``"oracle"`` (each round verifies exactly the drafts the target accepts: the best any width
+    choice could do with these drafts), or a ``Scheduler`` (kept across prompts, as a pipeline
+    keeps it). With ``verify_ms`` (the device profile's cost per verify width) the rounds are
+    also costed: tokens per ms, against plain decoding at width 1."""
     from dspark_edge.drafters import DraftRequest
+    from dspark_edge.telemetry import Snapshot
 
+    snap = Snapshot(t=0.0, mem_total_mb=8192, mem_available_mb=4096)
     rng = np.random.default_rng(0)
     tokens = rounds = 0
-    per_cat: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    per_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])  # tokens, rounds, ms
     bins: dict[int, list[float]] = defaultdict(lambda: [0, 0, 0.0])  # table drafts: judged, accepted, Σ confidence
+    used: dict[int, int] = defaultdict(int)
+    max_k = policy if isinstance(policy, int) else (max(widths) - 1 if widths else 7)
     for rec in answers:
         prompt, ans = rec["prompt"], rec["answer"]
         d = make_drafter()
         d.begin(prompt)
         j = 0
         while j < len(ans):
-            room = min(k, len(ans) - j - 1)
+            room = min(max_k, len(ans) - j - 1)
             drafts, conf = [], []
-            if room > 0:
+            sched = policy if not isinstance(policy, (int, str)) else None
+            wants = sched is None or sched.wants_draft(snap)
+            if room > 0 and wants:
                 draft = d.propose(DraftRequest(context=prompt + ans[:j], max_tokens=room, temperature=0.0, top_k=0,
                                                top_p=1.0), rng)
                 drafts, conf = draft.tokens.tolist(), draft.confidence.tolist()
-            acc = 0
-            while acc < len(drafts) and drafts[acc] == ans[j + acc]:
-                acc += 1
+            full = 0
+            while full < len(drafts) and drafts[full] == ans[j + full]:
+                full += 1
+            observed = bool(getattr(d, "observed_confidence", False))
+            if sched is not None:  # as the pipeline calls it
+                keep = sched.decide(np.asarray(conf), snap, shift=not observed).width - 1
+            elif policy == "oracle":
+                keep = full
+            else:
+                keep = len(drafts)
+            if widths:  # the widest listed width the drafts fill
+                keep = max(w for w in widths if w <= min(keep, len(drafts)) + 1) - 1
+            drafts, conf = drafts[:keep], conf[:keep]
+            acc = min(full, keep)
             if getattr(d, "_last_buckets", None) is not None:
                 for i in range(min(len(drafts), acc + 1)):
                     b = bins[min(int(conf[i] * 10), 9)]
                     b[0] += 1
                     b[1] += i < acc
                     b[2] += conf[i]
-            d.feedback(len(drafts), acc, ans[j:j + acc + 1])
+            ms = verify_ms[len(drafts) + 1] if verify_ms else 0.0
+            if sched is not None:
+                sched.observe(len(drafts) + 1, ms)
+                if drafts:
+                    sched.observe_round(acc + 1, ms)
+                    if not observed:
+                        sched.observe_acceptance(np.asarray(conf), acc)
+            if drafts:
+                d.feedback(len(drafts), acc, ans[j:j + acc + 1])
+            used[len(drafts) + 1] += 1
             tokens += acc + 1
             rounds += 1
-            per_cat[rec["category"]][0] += acc + 1
-            per_cat[rec["category"]][1] += 1
+            c = per_cat[rec["category"]]
+            c[0] += acc + 1
+            c[1] += 1
+            c[2] += ms
             j += acc + 1
-    return {"tau": round(tokens / rounds, 3), "rounds": rounds,
-            "tau_by_category": {c: round(t / r, 3) for c, (t, r) in sorted(per_cat.items())},
-            "table_reliability": {f"{b / 10:.1f}-{(b + 1) / 10:.1f}": {"drafts": int(n), "accepted": round(a / n, 3),
-                                                                      "confidence": round(c / n, 3)}
-                                  for b, (n, a, c) in sorted(bins.items())}}
+    out = {"tau": round(tokens / rounds, 3), "rounds": rounds,
+           "tau_by_category": {c: round(t / r, 3) for c, (t, r, _) in sorted(per_cat.items())},
+           "widths": dict(sorted(used.items()))}
+    if verify_ms:
+        out["vs_plain"] = round(tokens / sum(m for _, _, m in per_cat.values()) * verify_ms[1], 3)
+        out["vs_plain_by_category"] = {c: round(t / m * verify_ms[1], 3) for c, (t, _, m) in sorted(per_cat.items())}
+    out["table_reliability"] = {f"{b / 10:.1f}-{(b + 1) / 10:.1f}": {
+        "drafts": int(n), "accepted": round(a / n, 3), "confidence": round(c / n, 3)} for b, (n, a, c) in sorted(bins.items())}
+    return out
 
 
 def main() -> int:
@@ -94,6 +132,9 @@ def main() -> int:
                     help="recorded answers: read when the file exists, else recorded there")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="answer length when recording (default: 128)")
     ap.add_argument("--draft-tokens", default="1,3,5,7", help="fixed draft lengths to replay (default: 1,3,5,7)")
+    ap.add_argument("--precision", default="fp32",
+                    help="cost the rounds with the device profile's verify curve of this precision, and replay "
+                         "the scheduler and the oracle too; 'none': accepted lengths only (default: fp32)")
     args = ap.parse_args()
     try:
         ks = [int(x) for x in args.draft_tokens.split(",")]
@@ -109,14 +150,45 @@ def main() -> int:
         if args.answers is not None:
             args.answers.parent.mkdir(parents=True, exist_ok=True)
             args.answers.write_text(json.dumps(answers))
+    verify_ms, widths = None, ()
+    if args.precision != "none":
+        from dspark_edge.profile import load_profile
+
+        prof, status = load_profile(args.engine)
+        if prof is None or status not in ("ok", "throttled"):
+            raise ConfigError(f"costing the rounds needs a current device profile of {args.engine} (status: "
+                              f"{status}); run `python -m dspark_edge profile --engine {args.engine}` or pass "
+                              f"--precision none")
+        from dspark_edge.scheduler import monotone
+
+        verify_ms = monotone(prof.verify_ms(args.precision))
+        widths = tuple(sorted(verify_ms))
+        for k in ks:
+            if k + 1 not in widths:
+                raise ConfigError(f"draft length {k} needs verify width {k + 1}, which the profile does not list "
+                                  f"{list(widths)}")
     report = {"table": str(args.table), "table_contexts": table.entries, "answers": len(answers),
-              "answer_tokens": sum(len(a["answer"]) for a in answers), "replays": {}}
-    for k in ks:
-        report["replays"][f"k={k}"] = {"prompt lookup": replay(NgramDrafter, answers, k),
-                                      "prompt lookup + table": replay(lambda: NgramDrafter(table=table), answers, k)}
-        r = report["replays"][f"k={k}"]
-        print(f"[replay] k={k}: τ {r['prompt lookup']['tau']} → {r['prompt lookup + table']['tau']}", file=sys.stderr,
-              flush=True)
+              "answer_tokens": sum(len(a["answer"]) for a in answers), "precision": args.precision,
+              "verify_ms": verify_ms, "replays": {}}
+    drafters = {"prompt lookup": NgramDrafter, "prompt lookup + table": lambda: NgramDrafter(table=table)}
+    policies: list = list(ks)
+    if verify_ms:
+        policies += ["oracle", "scheduler"]
+    for pol in policies:
+        key = f"k={pol}" if isinstance(pol, int) else pol
+        report["replays"][key] = r = {}
+        for name, make in drafters.items():
+            run = pol
+            if pol == "scheduler":
+                from dspark_edge.scheduler import CostModel, Scheduler, SchedulerConfig
+
+                cfg = SchedulerConfig()
+                run = Scheduler(CostModel(verify_ms, 0.0, cfg.cost_window, cfg.min_observations), widths, cfg)
+            r[name] = replay(make, answers, run, verify_ms, widths)
+        speed = "" if not verify_ms else (f", {r['prompt lookup']['vs_plain']}x → "
+                                          f"{r['prompt lookup + table']['vs_plain']}x plain")
+        print(f"[replay] {key}: τ {r['prompt lookup']['tau']} → {r['prompt lookup + table']['tau']}{speed}",
+              file=sys.stderr, flush=True)
     print(json.dumps(report, indent=1))
     return 0
 

@@ -95,7 +95,8 @@ def _load(args, drafter=None):
 def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--drafter", default=None,
                    help="speculative decoding with 'dspark', 'dspark:int8', 'ngram' (prompt lookup, plus the "
-                        "engine's corpus n-gram table when it has one), 'ngram:prompt' (prompt lookup alone) or a "
+                        "engine's corpus n-gram table when it has one), 'ngram:online' (the table, confidences "
+                        "estimated online), 'ngram:prompt' (prompt lookup alone) or a "
                         "draft-model engine folder (default: plain decoding)")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="verify exactly this many drafts every round (default: the scheduler chooses)")
@@ -204,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=15, help="timed repeats per width for the verify curve")
     b.add_argument("--drafter", default=None,
                    help="compare plain decoding with this drafter ('dspark', 'dspark:int8', 'ngram', "
-                        "'ngram:prompt' or a draft-model engine folder; several, comma-separated, are compared "
+                        "'ngram:online', 'ngram:prompt' or a draft-model engine folder; several, comma-separated, are compared "
                         "in the same run), interleaved per prompt: verify width chosen per round by the "
                         "scheduler ('auto') and fixed at every listed draft length")
     b.add_argument("--draft-tokens", default=None,

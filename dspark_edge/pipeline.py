@@ -45,7 +45,8 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
 
     ``drafter``: None (plain decoding), "dspark" / "dspark:<precision>" (the engine folder's
     DSpark drafter), "ngram" (prompt lookup, with the engine folder's corpus n-gram table
-    when it has one), "ngram:prompt" (prompt lookup alone), the path of a draft-model engine folder, or a
+    when it has one, and the confidence model calibrated with it), "ngram:online" (the same table,
+    confidences estimated online), "ngram:prompt" (prompt lookup alone), the path of a draft-model engine folder, or a
     Drafter object. ``verify_hashes`` checks the sha256 of the files
     this precision uses (sizes are always checked).
 
@@ -78,7 +79,7 @@ def drafter_backend_options(drafter, options: BackendOptions | None) -> BackendO
     same cores, and the drafter's threads must not spin-wait after its short pass (a spinning
     drafter made the next width-2 target pass 61 instead of 40 ms, 2-core EPYC); the target
     keeps its own setting (docs/PERFORMANCE.md, "Two thread pools and BLAS")."""
-    if isinstance(drafter, (str, Path)) and str(drafter) not in ("ngram", "ngram:prompt", "none"):
+    if isinstance(drafter, (str, Path)) and str(drafter) not in ("ngram", "ngram:prompt", "ngram:online", "none"):
         log.info("drafter in use: onnxruntime thread spinning disabled for the drafter's session")
         return replace(options or BackendOptions(), allow_spinning=False)
     return options

@@ -28,7 +28,11 @@ shifted nor counted: the pipeline passes ``shift=False`` and skips ``observe_acc
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
+import operator
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,28 +45,35 @@ from .telemetry import Snapshot
 log = logging.getLogger(__name__)
 
 
-def survival(confidence: np.ndarray) -> np.ndarray:
+def survival(confidence) -> np.ndarray:
     return np.cumprod(np.clip(np.asarray(confidence, dtype=np.float64), 0.0, 1.0))
 
 
-def choose_width(confidence: np.ndarray, widths: Sequence[int], cost, early_stop: bool = True) -> tuple[int, float]:
+def _survival(confidence) -> tuple[list[float], list[float]]:
+    """(clipped confidences, survivals) as Python floats: a round's arrays hold a few numbers,
+    where numpy's per-call overhead is most of the cost."""
+    c = [min(max(float(x), 0.0), 1.0) for x in confidence]
+    return c, list(itertools.accumulate(c, operator.mul))
+
+
+def choose_width(confidence, widths: Sequence[int], cost, early_stop: bool = True) -> tuple[int, float]:
     """(verify width, expected tokens per unit cost). ``widths`` are the listed verify widths
     (1 must be among them), ``cost(w)`` the round cost at width w. ``early_stop=False`` is the
     retrospective global search, kept only to show (in tests) why it is not lossless."""
-    c = np.asarray(confidence, dtype=np.float64)
-    listed = sorted(w for w in widths if w - 1 <= c.shape[0])
+    c, a = _survival(confidence)
+    listed = sorted(w for w in widths if w - 1 <= len(c))
     if not listed or listed[0] != 1:
         raise ConfigError(f"the scheduler needs width 1 among the widths, got {sorted(widths)}")
-    a = survival(c)
     best_w, best_v = 1, 1.0 / cost(1)
     for prev, w in zip(listed, listed[1:]):
         known = prev  # drafts 1..prev-1 admitted; a_1..a_prev are known before x_prev is drawn
-        visible = a[:known].copy() if early_stop else a[:w - 1]
-        if early_stop and w - 1 > known:
-            last_c = c[known - 1] if known >= 1 else 1.0
-            tail = a[known - 1] * last_c ** np.arange(1, w - known) if known >= 1 else np.zeros(0)
-            visible = np.concatenate([visible, tail])
-        v = (1.0 + visible.sum()) / cost(w)
+        if early_stop:
+            expected = sum(a[:known])
+            if w - 1 > known:  # a skipped width: extend with the last conditional c
+                expected += sum(a[known - 1] * c[known - 1] ** e for e in range(1, w - known))
+        else:
+            expected = sum(a[:w - 1])
+        v = (1.0 + expected) / cost(w)
         if v > best_v:
             best_w, best_v = w, v
         elif early_stop:
@@ -177,8 +188,8 @@ class CostModel:
     def _refresh(self, width: int) -> None:
         own = self.ratios.get(width)
         if own is not None and len(own) >= self.min_obs:
-            self._corr[width] = float(np.median(own))
-        self._global = float(np.median(self.all_ratios)) if self.all_ratios else 1.0
+            self._corr[width] = statistics.median(own)
+        self._global = statistics.median(self.all_ratios) if self.all_ratios else 1.0
         self._verify = monotone({w: v * self.correction(w) for w, v in self.verify_ms.items()})
 
     def verify(self, width: int) -> float:
@@ -309,8 +320,11 @@ class Scheduler:
         """The drafter's confidences shifted by the online offset: σ(logit c + δ)."""
         if self.offset == 0.0:
             return np.asarray(confidence, dtype=np.float64)
-        c = np.clip(np.asarray(confidence, dtype=np.float64), 1e-6, 1.0 - 1e-6)
-        return 1.0 / (1.0 + np.exp(-(np.log(c / (1.0 - c)) + self.offset)))
+        out = []
+        for x in confidence:  # a few numbers: plain floats are cheaper than numpy here
+            c = min(max(float(x), 1e-6), 1.0 - 1e-6)
+            out.append(1.0 / (1.0 + math.exp(-(math.log(c / (1.0 - c)) + self.offset))))
+        return np.asarray(out, dtype=np.float64)
 
     def observe_acceptance(self, confidence: np.ndarray, accepted: int) -> None:
         """A verified round: the drafter's confidences for the drafts it verified (before the
@@ -345,7 +359,7 @@ class Scheduler:
                    + (", energy-weighted: hot" if self.mode == "hot" else ""))
         d = Decision(self.step, mode, width, k, value, why, snap.max_temp_c, snap.throttling,
                      snap.mem_available_mb, snap.cpu_other_percent, self.costs.correction(width),
-                     tuple(float(x) for x in survival(confidence)), self.offset if use else 0.0)
+                     tuple(_survival(confidence)[1]), self.offset if use else 0.0)
         self.decisions.append(d)
         return d
 

@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Count, in the target's own answers held by a train-drafter work folder, which "
                                     "token follows each context of 1..max-n tokens, and write the table the 'ngram' "
                                     "drafter uses beside prompt lookup (ngram_table.npz in the engine folder, "
-                                    "written atomically); or install a table built elsewhere with --from.")
+                                    "written atomically) with the drafter's confidence model, fitted on answers held "
+                                    "out of a second count; or install a table built elsewhere with --from.")
     ng.add_argument("--target", type=Path, required=True, help="the target's engine folder")
     src = ng.add_mutually_exclusive_group(required=True)
     src.add_argument("--work", type=Path, help="train-drafter work folder holding the target's answers")
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     ng.add_argument("--max-n", type=int, default=4, help="longest context, in tokens (default: %(default)s)")
     ng.add_argument("--output", type=Path, default=None,
                     help="with --work: write the table here instead of into the engine folder")
+    ng.add_argument("--no-calibration", action="store_true",
+                    help="with --work: skip fitting the drafter's confidence model (the drafter then estimates "
+                         "its confidences online)")
     ng.add_argument("-v", "--verbose", action="store_true", help="log details")
 
     rt = sub.add_parser("trt", help="build TensorRT engines from a portable engine folder (NVIDIA GPU + TensorRT)",
@@ -200,11 +204,13 @@ def main(argv: list[str] | None = None) -> int:
             from .ngram_table import build_table, install_table
 
             if args.from_file is not None:
-                if args.output is not None or args.prompts is not None:
-                    raise ExportError("--output and --prompts apply to building a table (--work), not to --from")
+                if args.output is not None or args.prompts is not None or args.no_calibration:
+                    raise ExportError("--output, --prompts and --no-calibration apply to building a table (--work), "
+                                      "not to --from")
                 install_table(args.target, args.from_file, progress)
             else:
-                build_table(args.target, args.work, args.prompts, args.max_n, args.output, progress)
+                build_table(args.target, args.work, args.prompts, args.max_n, args.output, progress,
+                            calibrate=not args.no_calibration)
             return 0
         if args.command == "drafter":
             from .drafter.install import install_drafter

@@ -42,13 +42,15 @@ def count_continuations(sequences, max_n: int) -> dict[int, dict[tuple[int, ...]
 
 def table_arrays(counts: dict[int, dict[tuple[int, ...], Counter]]) -> dict[str, np.ndarray]:
     """The file's arrays: per context length, sorted context hashes, the most frequent next
-    token (ties: the smallest id, so the table does not depend on counting order) and its share."""
+    token (ties: the smallest id, so the table does not depend on counting order), its share,
+    and how often the context occurred (capped at 65535)."""
     arrays: dict[str, np.ndarray] = {}
     for n, table in counts.items():
         rows = []
         for ctx, c in table.items():
             best = max(c.items(), key=lambda kv: (kv[1], -kv[0]))
-            rows.append((context_key(ctx), best[0], best[1] / sum(c.values())))
+            total = sum(c.values())
+            rows.append((context_key(ctx), best[0], best[1] / total, min(total, 65535)))
         rows.sort()
         keys = np.asarray([r[0] for r in rows], dtype=np.int64)
         if keys.size and (np.diff(keys) == 0).any():
@@ -56,7 +58,101 @@ def table_arrays(counts: dict[int, dict[tuple[int, ...], Counter]]) -> dict[str,
         arrays[f"keys_{n}"] = keys
         arrays[f"next_{n}"] = np.asarray([r[1] for r in rows], dtype=np.int32)
         arrays[f"share_{n}"] = np.asarray([r[2] for r in rows], dtype=np.float16)
+        arrays[f"count_{n}"] = np.asarray([r[3] for r in rows], dtype=np.uint16)
     return arrays
+
+
+def calibration_rows(table: NgramTable, sequences, k: int = 7) -> tuple[np.ndarray, np.ndarray]:
+    """Replays the drafter (prompt lookup + ``table``) over held-out answers, k drafts a round,
+    as greedy decoding would run it: every draft the verification judges (up to the first
+    rejection) gives the confidence model's inputs and whether it was accepted."""
+    from dspark_edge.drafters import DraftRequest, NgramDrafter
+
+    xs, ys = [], []
+    rng = np.random.default_rng(0)
+    for tokens, answer_start in sequences:
+        ids = [int(t) for t in tokens]
+        prompt, answer = ids[:answer_start], ids[answer_start:]
+        drafter = NgramDrafter(table=table)
+        drafter.begin(prompt)
+        j = 0
+        while j < len(answer) - 1:
+            draft = drafter.propose(DraftRequest(prompt + answer[:j], min(k, len(answer) - j - 1), 0.0, 0, 1.0), rng)
+            got = draft.tokens.tolist()
+            acc = 0
+            while acc < len(got) and got[acc] == answer[j + acc]:
+                acc += 1
+            if got:
+                judged = min(len(got), acc + 1)
+                xs.append(drafter.last_features[:judged])
+                ys.append(np.arange(judged) < acc)
+                drafter.feedback(len(got), acc, prompt + answer[:j + acc + 1])
+            j += acc + 1
+    if not xs:
+        return np.zeros((0, 0)), np.zeros(0)
+    return np.concatenate(xs), np.concatenate(ys).astype(np.float64)
+
+
+def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1e-3) -> np.ndarray:
+    """Weights of P(accepted) = σ(x·w), by L-BFGS on the mean log-loss plus ``l2``·|w|²."""
+    import torch
+
+    xt, yt = torch.as_tensor(x, dtype=torch.float64), torch.as_tensor(y, dtype=torch.float64)
+    w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w], lr=1.0, max_iter=200, tolerance_grad=1e-9, line_search_fn="strong_wolfe")
+
+    def loss():
+        opt.zero_grad()
+        v = torch.nn.functional.binary_cross_entropy_with_logits(xt @ w, yt) + l2 * (w * w).sum()
+        v.backward()
+        return v
+
+    opt.step(loss)
+    return w.detach().numpy()
+
+
+def _scores(p: np.ndarray, y: np.ndarray) -> dict:
+    from .drafter.calibrate import auroc, ece
+
+    p = np.clip(p, 1e-6, 1 - 1e-6)
+    return {"log_loss": round(float(-(y * np.log(p) + (1 - y) * np.log(1 - p)).mean()), 4),
+            "ece": round(float(ece(p, y)), 4), "auroc": round(float(auroc(p, y)), 4)}
+
+
+MIN_HELD_OUT = 4  # answers held out for the confidence model's fit, at least
+MIN_JUDGED = 200  # judged drafts they must give, at least
+
+
+def fit_calibration(sequences, max_n: int, hold_every: int = 8, progress=print) -> dict | None:
+    """The drafter's confidence model: a table counted from all answers but every
+    ``hold_every``-th, replayed on those held out (``calibration_rows``), a logistic fit. Its
+    quality is reported by a two-fold fit on the held-out rows (fit on one half, scored on the
+    other), against a constant at the mean acceptance. None (with a message) when the answers
+    are too few to fit it."""
+    from dspark_edge.drafters.ngram import FEATURES
+
+    held = sequences[::hold_every]
+    rest = [s for i, s in enumerate(sequences) if i % hold_every]
+    table = NgramTable.from_arrays(table_arrays(count_continuations(rest, max_n))) if rest else None
+    x, y = calibration_rows(table, held) if table is not None else (np.zeros((0, 0)), np.zeros(0))
+    if len(held) < MIN_HELD_OUT or y.size < MIN_JUDGED or y.min() == y.max():
+        progress(f"    not calibrated: {len(sequences)} answers hold out {len(held)} (every {hold_every}th) with "
+                 f"{y.size} judged drafts; a fit needs {MIN_HELD_OUT} answers and {MIN_JUDGED} drafts, accepted "
+                 "and rejected. The drafter will estimate its confidences online.")
+        return None
+    progress(f"    {len(held)} held-out answers gave {len(y)} judged drafts ({y.mean():.1%} accepted)")
+    half = np.arange(len(y)) % 2 == 0  # interleaved halves: both see every kind of answer
+    p = np.empty_like(y)
+    for a, b in ((half, ~half), (~half, half)):
+        p[b] = 1.0 / (1.0 + np.exp(-(x[b] @ fit_logistic(x[a], y[a]))))
+    w = fit_logistic(x, y)
+    report = {"features": list(FEATURES), "weights": [round(float(v), 6) for v in w],
+              "held_out_answers": len(held), "judged_drafts": int(len(y)), "accepted": round(float(y.mean()), 4),
+              "two_fold": _scores(p, y), "constant": _scores(np.full_like(y, y.mean()), y)}
+    progress(f"    two-fold held-out log-loss {report['two_fold']['log_loss']} (a constant: "
+             f"{report['constant']['log_loss']}), ECE {report['two_fold']['ece']:.3f}, "
+             f"AUROC {report['two_fold']['auroc']:.3f}")
+    return report
 
 
 def _answer_sequences(work: Path, prompts: int | None):
@@ -109,26 +205,32 @@ def _replacing(path: Path) -> Iterator[Path]:
 
 
 def build_table(target: Path, work: Path, prompts: int | None = None, max_n: int = 4, output: Path | None = None,
-                progress=print) -> Path:
+                progress=print, calibrate: bool = True) -> Path:
     """Count the answers in ``work`` and write the table to ``output`` (default: the engine
-    folder's ``ngram_table.npz``)."""
+    folder's ``ngram_table.npz``), with the drafter's confidence calibration unless
+    ``calibrate`` is false."""
     if not 1 <= max_n <= 8:
         raise ExportError(f"--max-n must be in 1..8, got {max_n}")
     manifest = read_manifest(target)
     seqs, answers, tokens, n_shards, n_copy = _answer_sequences(work, prompts)
-    progress(f"[1/2] counting continuations in {answers} answers ({tokens} answer tokens; {n_shards} answer "
+    steps = 3 if calibrate else 2
+    progress(f"[1/{steps}] counting continuations in {answers} answers ({tokens} answer tokens; {n_shards} answer "
              f"shard(s), {n_copy} copy-task shard(s))")
     arrays = table_arrays(count_continuations(seqs, max_n))
+    calibration = None
+    if calibrate:
+        progress(f"[2/{steps}] calibrating the drafter's confidences on held-out answers")
+        calibration = fit_calibration(seqs, max_n, progress=progress)
     tok_sha = manifest.file_entry(manifest.tokenizer.file).sha256
     entries = {n: int(arrays[f"keys_{n}"].size) for n in range(1, max_n + 1)}
     meta = {"format": FORMAT, "context_lengths": list(range(1, max_n + 1)), "entries": entries,
             "tokenizer_sha256": tok_sha, "source_sha256": manifest.model.source_sha256, "model": manifest.model.name,
-            "answers": answers, "answer_tokens": tokens, "work": str(work),
+            "answers": answers, "answer_tokens": tokens, "work": str(work), "calibration": calibration,
             "command": ("python -m export " + " ".join(shlex.quote(a) for a in sys.argv[1:])) if sys.argv[1:] else ""}
     out = output or target / FILE_NAME
     with _replacing(out) as tmp:
         np.savez_compressed(tmp, meta=np.asarray(json.dumps(meta, sort_keys=True)), **arrays)
-    progress(f"[2/2] wrote {out}: {sum(entries.values())} contexts ({', '.join(f'{n}: {e}' for n, e in entries.items())}), "
+    progress(f"[{steps}/{steps}] wrote {out}: {sum(entries.values())} contexts ({', '.join(f'{n}: {e}' for n, e in entries.items())}), "
              f"{out.stat().st_size / 1e6:.1f} MB")
     return out
 

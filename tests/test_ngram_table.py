@@ -20,11 +20,8 @@ def req(ctx, k=4):
     return DraftRequest(context=ctx, max_tokens=k, temperature=0.0, top_k=0, top_p=1.0)
 
 
-def make_table(sequences, max_n=3) -> NgramTable:
-    arrays = table_arrays(count_continuations(sequences, max_n))
-    lengths = list(range(1, max_n + 1))
-    return NgramTable({n: arrays[f"keys_{n}"] for n in lengths}, {n: arrays[f"next_{n}"].astype(np.int64) for n in lengths},
-                      {n: arrays[f"share_{n}"].astype(np.float32) for n in lengths}, {"format": 1})
+def make_table(sequences, max_n=3, meta=None) -> NgramTable:
+    return NgramTable.from_arrays(table_arrays(count_continuations(sequences, max_n)), meta or {"format": 2})
 
 
 def test_context_key_is_stable_and_length_aware():
@@ -39,9 +36,9 @@ def test_context_key_is_stable_and_length_aware():
 def test_counts_answers_only_and_picks_the_most_frequent():
     # prompt [9, 9] then answers; "1 2" is followed by 3 twice and by 4 once.
     table = make_table([([9, 9, 1, 2, 3], 2), ([9, 9, 1, 2, 3], 2), ([1, 2, 4], 0)], max_n=2)
-    assert table.lookup([7, 1, 2]) == (3, 2, pytest.approx(2 / 3, abs=1e-3))
-    assert table.lookup([2]) == (3, 1, pytest.approx(2 / 3, abs=1e-3))
-    assert table.lookup([9]) == (1, 1, 1.0)  # a prompt token as context, an answer token as continuation
+    assert table.lookup([7, 1, 2]) == (3, 2, pytest.approx(2 / 3, abs=1e-3), 3)  # "1 2" seen 3 times
+    assert table.lookup([2]) == (3, 1, pytest.approx(2 / 3, abs=1e-3), 3)
+    assert table.lookup([9]) == (1, 1, 1.0, 2)  # a prompt token as context, an answer token as continuation
     assert table.lookup([42]) is None
 
 
@@ -53,7 +50,7 @@ def test_ties_go_to_the_smallest_id():
 def test_continue_from_chains_lookups():
     table = make_table([([1, 2, 3, 4, 5, 6], 0)], max_n=3)
     d = table.continue_from([0, 1, 2], 4)
-    assert d.tokens == [3, 4, 5, 6] and d.context_lengths == [2, 3, 3, 3]
+    assert d.tokens == [3, 4, 5, 6] and d.context_lengths == [2, 3, 3, 3] and d.counts == [1, 1, 1, 1]
     assert table.continue_from([0, 1, 2], 4, min_n=3).tokens == []  # "0 1 2" is unknown
 
 
@@ -259,3 +256,136 @@ def test_build_counts_the_first_answers_and_the_copy_tasks(engine_copy, tmp_path
     assert table.meta["answers"] == 3 and table.meta["answer_tokens"] == 2 + 2 + 3
     assert table.lookup([1])[0] == 2 and table.lookup([6]) is None  # the third answer (1 → 6 7) is left out
     assert table.lookup([9])[0] == 8
+
+
+def test_counts_are_capped_and_format_1_tables_still_load(tmp_path):
+    arrays = table_arrays(count_continuations([([1] * 70_000, 0)], 1))  # "1" seen 69,999 times
+    assert arrays["count_1"].dtype == np.uint16 and arrays["count_1"].max() == 65535
+    # A format 1 file (no counts, no calibration): read, counts reported as 0, confidences online.
+    old = {k: v for k, v in table_arrays(count_continuations([([1, 2, 3], 0)] * 3, 2)).items()
+           if not k.startswith("count_")}
+    path = tmp_path / "old.npz"
+    np.savez(path, meta=np.asarray(json.dumps({"format": 1, "context_lengths": [1, 2]})), **old)
+    table = NgramTable.load(path)
+    assert table.counts is None and table.lookup([1, 2]) == (3, 2, 1.0, 0) and table.calibration is None
+    d = NgramDrafter(table=table)
+    assert d.weights is None and d.observed_confidence
+
+
+def test_draft_features_layout():
+    from dspark_edge.drafters.ngram import FEATURES, draft_features
+
+    x = draft_features(True, [4, 3, 2, 1, 1], [1.0, 0.5, 0.25, 1.0, 1.0], [100, 3, 0, 1, 1],
+                       [True, False, False, False, True], on_track=True)
+    assert x.shape == (5, len(FEATURES))
+    col = {name: i for i, name in enumerate(FEATURES)}
+    assert (x[:, col["bias"]] == 1).all()
+    assert x[:, col["position 1"]].tolist() == [1, 0, 0, 0, 0] and x[:, col["position 4+"]].tolist() == [0, 0, 0, 1, 1]
+    assert x[:, col["table n=4+"]].tolist() == [1, 0, 0, 0, 0] and x[:, col["table n=1"]].tolist() == [0, 0, 0, 1, 1]
+    assert x[0, col["table log count / 5"]] == pytest.approx(np.log1p(100) / 5)
+    assert x[1, col["table share x log count / 5"]] == pytest.approx(0.5 * np.log1p(3) / 5)
+    assert x[:, col["other source agrees"]].tolist() == [1, 0, 0, 0, 1]
+    assert (x[:, col["on track"]] == 1).all() and x[:, col["on track x position 1"]].tolist() == [1, 0, 0, 0, 0]
+    assert not x[:, col["conversation n=1"]:col["conversation n=4+"] + 1].any()
+    conv = draft_features(False, [2, 2], [], [], [False, False], on_track=None)
+    assert conv[:, col["conversation n=2"]].tolist() == [1, 1] and (conv[:, col["no previous proposal"]] == 1).all()
+    assert not conv[:, col["table n=1"]:col["table share x log count / 5"] + 1].any()
+
+
+def test_on_track_reads_the_previous_proposal_past_the_accepted_drafts():
+    table = make_table([([1, 2, 3, 4, 5, 6, 7], 0)] * 3)
+    d = NgramDrafter(table=table)
+    d.begin([0])
+    on_track = 17  # "on track" column
+    d.propose(req([0, 1, 2], 4), np.random.default_rng(0))  # proposes 3 4 5 6 after "0 1 2"
+    assert d.last_features[0, 18] == 1  # the first proposal has no previous one
+    d.feedback(2, 2, [0, 1, 2, 3, 4])  # 3 4 accepted; the target's own next token is 5: predicted
+    d.propose(req([0, 1, 2, 3, 4, 5], 4), np.random.default_rng(0))
+    assert d.last_features[0, on_track] == 1
+    d.feedback(1, 0, [0, 1, 2, 3, 4, 5])  # 6 rejected, the target chose 1: not predicted
+    d.propose(req([0, 1, 2, 3, 4, 5, 1], 4), np.random.default_rng(0))
+    assert d.last_features[0, on_track] == 0 and d.last_features[0, 18] == 0
+
+
+def test_fit_logistic_recovers_known_weights():
+    from export.ngram_table import fit_logistic
+
+    rng = np.random.default_rng(0)
+    x = np.c_[np.ones(20_000), rng.normal(size=(20_000, 2))]
+    w = np.asarray([-0.5, 1.5, -1.0])
+    y = (rng.random(20_000) < 1 / (1 + np.exp(-(x @ w)))).astype(np.float64)
+    assert np.allclose(fit_logistic(x, y, l2=0.0), w, atol=0.1)
+
+
+def _grammar_answers(n: int, seed: int = 0):
+    """Answers of a small grammar: fixed phrases (always continued the same way) joined by
+    random words (never predictable), so table drafts inside a phrase are right and across a
+    join mostly wrong."""
+    rng = np.random.default_rng(seed)
+    phrases = [list(range(20 + 10 * i, 26 + 10 * i)) for i in range(12)]  # ids the tiny model has
+    out = []
+    for _ in range(n):
+        answer: list[int] = []
+        for _ in range(8):
+            answer += phrases[int(rng.integers(len(phrases)))] + [int(rng.integers(150, 250))]
+        out.append(([1, 2, 3], answer))
+    return out
+
+
+def test_built_table_carries_a_calibration_the_drafter_uses(engine_copy, tmp_path, caplog):
+    from dspark_edge.drafters.ngram import FEATURES
+    from export.ngram_table import build_table
+
+    work = _fake_work(tmp_path, _grammar_answers(64))
+    said: list[str] = []
+    out = build_table(engine_copy, work, output=tmp_path / "t.npz", progress=said.append)
+    table = NgramTable.load(out)
+    cal = table.calibration
+    assert cal is not None and cal["features"] == list(FEATURES) and len(cal["weights"]) == len(FEATURES)
+    assert cal["held_out_answers"] == 8 and cal["judged_drafts"] >= 200
+    # fitted on one half of the held-out drafts, it predicts the other half better than a constant
+    assert cal["two_fold"]["log_loss"] < cal["constant"]["log_loss"] - 0.05 and cal["two_fold"]["auroc"] > 0.7
+    assert any("two-fold held-out log-loss" in m for m in said)
+
+    d = NgramDrafter(table=table)
+    assert not d.observed_confidence and d.weights is not None
+    d.begin([1, 2, 3])
+    inside = d.propose(req([1, 2, 3, 20, 21, 22], 3), np.random.default_rng(0))  # within a phrase
+    assert list(inside.tokens) == [23, 24, 25]
+    want = np.clip(1 / (1 + np.exp(-(d.last_features @ d.weights))), 0.01, 0.99)
+    assert np.allclose(inside.confidence, want)
+    join = d.propose(req([1, 2, 3, 20, 21, 22, 23, 24, 25], 1), np.random.default_rng(0))  # before a random word
+    assert inside.confidence[0] > join.confidence[0] + 0.2
+
+    # "ngram:online" (or a drafter made with calibrated=False) ignores it
+    assert NgramDrafter(table=table, calibrated=False).observed_confidence
+    # a calibration for other features is not applied, and the log says so
+    meta = dict(table.meta, calibration={**cal, "features": ["something else"]})
+    with caplog.at_level("WARNING"):
+        other = NgramDrafter(table=NgramTable(table.keys, table.nexts, table.shares, meta, table.counts))
+    assert other.weights is None and other.observed_confidence and "other features" in caplog.text
+
+    few = build_table(engine_copy, _fake_work(tmp_path / "few", _grammar_answers(8)), output=tmp_path / "f.npz",
+                      progress=said.append)
+    assert NgramTable.load(few).calibration is None and "not calibrated" in said[-2]
+
+
+def test_calibrated_table_keeps_greedy_exact_with_the_scheduler(engine_copy, tmp_path):
+    """Calibrated confidences go through the scheduler's online offset (observed_confidence is
+    False); widths change, output does not."""
+    from export.__main__ import main
+
+    plain = dspark_edge.load(engine_copy)
+    prompts = [f"Item {i}: the quick brown fox" for i in range(8)]
+    answers = [plain.generate(p, max_new_tokens=24, ignore_eos=True) for p in prompts]
+    # the model's own answers (drafted back below) and enough grammar answers to calibrate on
+    work = _fake_work(tmp_path, [(plain.tokenizer.encode(p), list(r.token_ids)) for p, r in zip(prompts, answers)]
+                      + _grammar_answers(64))
+    assert main(["ngram-table", "--target", str(engine_copy), "--work", str(work)]) == 0
+    spec = dspark_edge.load(engine_copy, drafter="ngram")
+    assert spec.drafter.weights is not None, "the tiny model's answers should be enough to calibrate"
+    assert dspark_edge.load(engine_copy, drafter="ngram:online").drafter.weights is None
+    for p in ["Item 3: the quick brown fox", "Something else entirely"]:
+        want = plain.generate(p, max_new_tokens=24, ignore_eos=True).token_ids
+        assert spec.generate(p, max_new_tokens=24, ignore_eos=True).token_ids == want
+    assert spec.scheduler.offset != 0.0  # the offset learned from the calibrated confidences

@@ -19,7 +19,8 @@ __all__ = ["AcceptanceTracker", "Draft", "DraftRequest", "Drafter", "NgramDrafte
 def create(spec, target_manifest, options=None, verify_hashes: bool = True, engine_dir=None):
     """None/"none" → no drafter; "dspark" or "dspark:<precision>" → the engine folder's DSpark
     drafter; "ngram" → NgramDrafter() with the engine folder's corpus table when it has one
-    (``ngram_table.npz``); "ngram:prompt" → prompt lookup alone; a folder path → its draft
+    (``ngram_table.npz``) and its calibrated confidences; "ngram:online" → the same table with
+    confidences estimated online instead; "ngram:prompt" → prompt lookup alone; a folder path → its draft
     model; an object with ``propose`` → used as is."""
     from ..errors import ConfigError
 
@@ -27,13 +28,13 @@ def create(spec, target_manifest, options=None, verify_hashes: bool = True, engi
         return None
     if hasattr(spec, "propose"):
         return spec
-    if spec in ("ngram", "ngram:prompt"):
+    if spec in ("ngram", "ngram:prompt", "ngram:online"):
         table_path = None if engine_dir is None or spec == "ngram:prompt" else Path(engine_dir) / TABLE_FILE
         if table_path is None or not table_path.is_file():
             return NgramDrafter()
         table = NgramTable.load_for(table_path, target_manifest)
         log.info("n-gram drafter: prompt lookup and the corpus table %s (%d contexts)", table_path, table.entries)
-        return NgramDrafter(table=table)
+        return NgramDrafter(table=table, calibrated=spec != "ngram:online")
     if isinstance(spec, str) and (spec == "dspark" or spec.startswith("dspark:")):
         from .dspark import DSparkDrafter
 
@@ -46,5 +47,6 @@ def create(spec, target_manifest, options=None, verify_hashes: bool = True, engi
 
         return DraftModelDrafter(spec, target_manifest, options=options, verify_hashes=verify_hashes)
     raise ConfigError(f"drafter {spec!r} is not 'none', 'dspark', 'dspark:<precision>', 'ngram', 'ngram:prompt', "
+                      "'ngram:online', "
                       "a draft-model "
                       "engine folder, or a Drafter object")

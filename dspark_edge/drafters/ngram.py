@@ -16,10 +16,19 @@ continued from the table instead when the table knows a context of at least that
 no match at all, from the table's longest match. A table draft's confidence is the observed
 acceptance of table drafts with the same context length and a similar share (the table's
 frequency of that continuation), starting from a prior that rises with both.
+
+A table built with a calibration (format 2, ``python -m export ngram-table``) replaces those
+online estimates by a logistic model fitted on held-out answers: per draft position, from where
+the draft comes (the conversation's match length, or the table's context length, share and how
+often the context occurred), its position, whether the other source proposes the same token,
+and whether the previous round's proposal had predicted the pending token. Those confidences
+are calibrated offline, so the scheduler's online offset corrects them for the workload at hand
+(``observed_confidence`` is then False).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,7 +37,44 @@ from ..errors import ConfigError
 from .base import AcceptanceTracker, Draft, DraftRequest
 from .ngram_table import NgramTable
 
+log = logging.getLogger(__name__)
+
 SHARE_BINS = (0.5, 0.8)  # table drafts are judged in three bins of their share: < 0.5, < 0.8, ≥ 0.8
+
+# The calibrated confidence model's inputs, in order (a table's calibration names them; one fitted
+# for other features is not used).
+FEATURES = ("bias", "position 1", "position 2", "position 3", "position 4+",
+            "conversation n=1", "conversation n=2", "conversation n=3", "conversation n=4+",
+            "table n=1", "table n=2", "table n=3", "table n=4+", "table share", "table log count / 5",
+            "table share x log count / 5", "other source agrees", "on track", "no previous proposal",
+            "on track x position 1")
+
+
+def draft_features(from_table: bool, lengths: Sequence[int], shares: Sequence[float], counts: Sequence[int],
+                   agree: Sequence[bool], on_track: bool | None) -> np.ndarray:
+    """[k, len(FEATURES)] inputs of the confidence model for a k-token draft. ``lengths``: the
+    conversation match length (every position) or each table token's context length;
+    ``on_track``: whether the previous proposal predicted the pending token (None: no previous
+    proposal in this generation)."""
+    k = len(lengths)
+    x = np.zeros((k, len(FEATURES)))
+    x[:, 0] = 1.0
+    pos = np.minimum(np.arange(k), 3)
+    x[np.arange(k), 1 + pos] = 1.0
+    n = np.minimum(np.asarray(lengths, dtype=np.int64), 4)
+    x[np.arange(k), (9 if from_table else 5) + n - 1] = 1.0
+    if from_table:
+        log_count = np.log1p(np.asarray(counts, dtype=np.float64)) / 5.0
+        x[:, 13] = shares
+        x[:, 14] = log_count
+        x[:, 15] = np.asarray(shares, dtype=np.float64) * log_count
+    x[:, 16] = np.asarray(agree, dtype=np.float64)
+    if on_track is None:
+        x[:, 18] = 1.0
+    elif on_track:
+        x[:, 17] = 1.0
+        x[:1, 19] = 1.0
+    return x
 
 
 class RateTracker:
@@ -56,7 +102,7 @@ class NgramDrafter:
 
     def __init__(self, min_n: int = 1, max_n: int = 4, max_tokens: int = 8,
                  learn_across_generations: bool = False, table: NgramTable | None = None,
-                 table_min_n: int = 2) -> None:
+                 table_min_n: int = 2, calibrated: bool = True) -> None:
         if not 1 <= min_n <= max_n:
             raise ConfigError(f"n-gram sizes need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if max_tokens < 1:
@@ -65,8 +111,18 @@ class NgramDrafter:
             raise ConfigError(f"table_min_n must be >= 1, got {table_min_n}")
         self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
         self.table, self.table_min_n = table, table_min_n
+        self.weights: np.ndarray | None = None  # the calibrated confidence model, when the table has one
         if table is not None:
             self.name = "ngram+table"
+            cal = table.calibration if calibrated else None
+            if not calibrated:
+                self.name = "ngram+table (online)"
+            if cal is not None and list(cal.get("features", [])) == list(FEATURES):
+                self.weights = np.asarray(cal["weights"], dtype=np.float64)
+                self.observed_confidence = False  # calibrated offline: the scheduler's offset applies
+            elif cal is not None:
+                log.warning("the n-gram table's confidence calibration was fitted for other features; "
+                            "estimating confidences online instead (rebuild the table to use it)")
         # Acceptance statistics shape the draft length, and with it how the random stream is
         # consumed: kept per generation by default so a seed reproduces its output.
         self.learn_across_generations = learn_across_generations
@@ -77,6 +133,8 @@ class NgramDrafter:
         self._ctx: list[int] = []
         self._index: dict[int, dict[tuple[int, ...], int]] = {}
         self._indexed = 0  # n-grams ending before this position are indexed
+        self._previous: tuple[int, list[int]] | None = None  # (context length, full proposal) of the last round
+        self.last_features: np.ndarray | None = None  # the confidence model's inputs of the latest proposal
 
     def _new_stats(self) -> dict[int, AcceptanceTracker]:
         # Priors rise with the match length (0.25 for one token … 0.7 for four and more).
@@ -97,6 +155,7 @@ class NgramDrafter:
             self.table_stats = self._new_table_stats()
         self._last_n = None
         self._last_buckets = None
+        self._previous, self.last_features = None, None
         self._ctx = []
         self._index = {n: {} for n in range(self.min_n, self.max_n + 1)}
         self._indexed = 0
@@ -126,40 +185,67 @@ class NgramDrafter:
                 return n, start
         return None
 
-    def _from_table(self, ctx: list[int], k: int, min_n: int) -> Draft | None:
-        found = self.table.continue_from(ctx, k, min_n) if self.table is not None else None
-        if not found or not found.tokens:
+    def _copy(self, ctx: list[int], start: int, k: int) -> list[int]:
+        """What followed the match at ``start``; past the end, keep copying from the proposal
+        itself (an overlapping copy), so a repeating pattern is continued for all k tokens."""
+        out: list[int] = []
+        for i in range(k):
+            pos = start + i
+            out.append(ctx[pos] if pos < len(ctx) else out[pos - len(ctx)])
+        return out
+
+    def _on_track(self, ctx: list[int]) -> bool | None:
+        """Whether the previous proposal, read past the drafts accepted since, had predicted the
+        pending token (the last one of ``ctx``); None before the first proposal."""
+        if self._previous is None:
             return None
-        buckets = [(n, int(np.searchsorted(SHARE_BINS, share, side="right")))
-                   for n, share in zip(found.context_lengths, found.shares)]
-        self._last_buckets = buckets
-        conf = np.asarray([self.table_stats[b].rate for b in buckets], dtype=np.float64)
-        return Draft(np.asarray(found.tokens, dtype=np.int64), None, conf)
+        start, tokens = self._previous
+        i = len(ctx) - 1 - start  # the pending token's index in that proposal
+        return 0 <= i < len(tokens) and tokens[:i + 1] == ctx[start:]
 
     def propose(self, request: DraftRequest, rng: np.random.Generator) -> Draft:
         self._extend(request.context)
         ctx = self._ctx
         k = min(request.max_tokens, self.max_tokens)
-        self._last_n, self._last_buckets = None, None
+        self._last_n, self._last_buckets, self.last_features = None, None, None
         if k < 1:
             return Draft.empty()
+        on_track = self._on_track(ctx)
         match = self._match(ctx)
-        if self.table is not None and (match is None or match[0] < self.table_min_n):
-            # A short (or no) match in the conversation: the table's longer context wins.
-            draft = self._from_table(ctx, k, self.table_min_n)
-            if draft is not None:
-                return draft
-        if match is not None:
-            n, start = match
-            # Copy what followed; past the end, keep copying from the proposal itself
-            # (an overlapping copy), so a repeating pattern is continued for all k tokens.
-            out: list[int] = []
-            for i in range(k):
-                pos = start + i
-                out.append(ctx[pos] if pos < len(ctx) else out[pos - len(ctx)])
-            self._last_n = n
-            return Draft(np.asarray(out, dtype=np.int64), None, self.stats[n].confidence(k))
-        return self._from_table(ctx, k, 1) or Draft.empty()
+        conv = self._copy(ctx, match[1], k) if match is not None else []
+        found = self.table.continue_from(ctx, k, 1) if self.table is not None else None
+        if found is not None and not found.tokens:
+            found = None
+        # A short (or no) match in the conversation: the table's longer context wins; with no
+        # match at all, the table's longest one.
+        use_table = found is not None and (match is None or (
+            match[0] < self.table_min_n and found.context_lengths[0] >= self.table_min_n))
+        if use_table:
+            tokens, other = found.tokens, conv
+        elif match is not None:
+            tokens, other = conv, (found.tokens if found is not None else [])
+        else:
+            self._previous = (len(ctx), [])
+            return Draft.empty()
+        self._previous = (len(ctx), list(tokens))
+        if self.table is not None:  # the confidence model's inputs (also what its fit replays)
+            agree = [i < len(other) and other[i] == t for i, t in enumerate(tokens)]
+            if use_table:
+                x = draft_features(True, found.context_lengths, found.shares, found.counts, agree, on_track)
+            else:
+                x = draft_features(False, [match[0]] * len(tokens), [], [], agree, on_track)
+            self.last_features = x
+        if self.weights is not None:
+            conf = np.clip(1.0 / (1.0 + np.exp(-(self.last_features @ self.weights))), 0.01, 0.99)
+        elif use_table:
+            buckets = [(n, int(np.searchsorted(SHARE_BINS, share, side="right")))
+                       for n, share in zip(found.context_lengths, found.shares)]
+            self._last_buckets = buckets
+            conf = np.asarray([self.table_stats[b].rate for b in buckets], dtype=np.float64)
+        else:
+            self._last_n = match[0]
+            conf = self.stats[match[0]].confidence(k)
+        return Draft(np.asarray(tokens, dtype=np.int64), None, np.asarray(conf, dtype=np.float64))
 
     def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:
         if drafted and self._last_n is not None:
