@@ -1,14 +1,21 @@
-"""Accepted length of the n-gram drafter with and without a corpus table, without timing noise.
+"""The n-gram drafter with and without a corpus table, replayed without timing noise: accepted
+length per fixed draft length, and tokens per unit of this device's verify cost for the fixed
+lengths, the scheduler, and an oracle.
 
 Under greedy decoding the tokens at every answer position are the target's whatever drafts
 were verified, so the target's plain greedy answers are recorded once and every drafter and
-fixed draft length is replayed over them: each round proposes up to k drafts for the committed
-text, keeps the longest prefix equal to the answer, and adds the target's own token. Prints
-tokens per round (τ) per draft length and category, and how the table drafts' confidences
-compare with how often they were accepted (reliability by confidence bin).
+policy is replayed over them: each round proposes up to k drafts for the committed text, keeps
+the longest prefix equal to the answer, and adds the target's own token. Rounds cost the device
+profile's verify time at their width (``--precision``; drafting, about 0.1 ms, is left out), so
+a policy's speed relative to plain decoding is tokens / Σ cost × cost(width 1). The scheduler is
+the runtime's ``Scheduler`` called as the pipeline calls it (confidences, online offset, cost
+correction); the oracle verifies, each round, exactly the drafts the target will accept: no
+width choice made before verifying can do better with these drafts, so it bounds what any
+scheduler can gain over the best fixed length. Prints one JSON object (with τ per category and
+the reliability of the table drafts' confidences by bin) and a line per policy.
 
-    python bench/ngram_replay.py --engine engines/smollm2-135m --table drafters/smollm2-135m-ngram.npz \\
-        --answers runs/bench_answers.json
+    python bench/ngram_replay.py --engine engines/smollm2-135m --table drafters/smollm2-135m-ngram.npz \
+        --answers runs/bench_answers.json --precision int8
 """
 
 from __future__ import annotations
@@ -41,11 +48,10 @@ def record_answers(engine: Path, prompts: list[dict], max_new_tokens: int) -> li
 
 def replay(make_drafter, answers: list[dict], policy, verify_ms: dict[int, float] | None = None,
            widths: tuple[int, ...] = ()) -> dict:
-    """Replays rounds over the recorded answers. ``policy``: an int (fixed draft length k),
-    ``"oracle"`` (each round verifies exactly the drafts the target accepts: the best any width
-    choice could do with these drafts), or a ``Scheduler`` (kept across prompts, as a pipeline
-    keeps it). With ``verify_ms`` (the device profile's cost per verify width) the rounds are
-    also costed: tokens per ms, against plain decoding at width 1."""
+    """Replays rounds over the recorded answers. ``policy``: an int (fixed draft length k) or a
+    ``Scheduler`` (kept across prompts, as a pipeline keeps it). With ``verify_ms`` (the device
+    profile's cost per verify width) the rounds are also costed: tokens per ms, against plain
+    decoding at width 1."""
     from dspark_edge.drafters import DraftRequest
     from dspark_edge.telemetry import Snapshot
 
@@ -55,7 +61,7 @@ def replay(make_drafter, answers: list[dict], policy, verify_ms: dict[int, float
     per_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])  # tokens, rounds, ms
     bins: dict[int, list[float]] = defaultdict(lambda: [0, 0, 0.0])  # table drafts: judged, accepted, Σ confidence
     used: dict[int, int] = defaultdict(int)
-    max_k = policy if isinstance(policy, int) else (max(widths) - 1 if widths else 7)
+    max_k = policy if isinstance(policy, int) else max(widths) - 1
     for rec in answers:
         prompt, ans = rec["prompt"], rec["answer"]
         d = make_drafter()
@@ -64,7 +70,7 @@ def replay(make_drafter, answers: list[dict], policy, verify_ms: dict[int, float
         while j < len(ans):
             room = min(max_k, len(ans) - j - 1)
             drafts, conf = [], []
-            sched = policy if not isinstance(policy, (int, str)) else None
+            sched = policy if not isinstance(policy, int) else None
             wants = sched is None or sched.wants_draft(snap)
             if room > 0 and wants:
                 draft = d.propose(DraftRequest(context=prompt + ans[:j], max_tokens=room, temperature=0.0, top_k=0,
@@ -76,8 +82,6 @@ def replay(make_drafter, answers: list[dict], policy, verify_ms: dict[int, float
             observed = bool(getattr(d, "observed_confidence", False))
             if sched is not None:  # as the pipeline calls it
                 keep = sched.decide(np.asarray(conf), snap, shift=not observed).width - 1
-            elif policy == "oracle":
-                keep = full
             else:
                 keep = len(drafts)
             if widths:  # the widest listed width the drafts fill
@@ -116,6 +120,59 @@ def replay(make_drafter, answers: list[dict], policy, verify_ms: dict[int, float
     out["table_reliability"] = {f"{b / 10:.1f}-{(b + 1) / 10:.1f}": {
         "drafts": int(n), "accepted": round(a / n, 3), "confidence": round(c / n, 3)} for b, (n, a, c) in sorted(bins.items())}
     return out
+
+
+def oracle(make_drafter, answers: list[dict], verify_ms: dict[int, float], widths: tuple[int, ...]) -> dict:
+    """The fastest any width policy could decode these answers with this drafter's proposals:
+    the proposal at each answer position (the drafter's tokens depend only on the committed
+    text) with its accepted length known, and a dynamic program over positions choosing each
+    round's listed width to minimise the total verify cost. An upper bound for the scheduler,
+    which must choose before verifying."""
+    from dspark_edge.drafters import DraftRequest
+
+    rng = np.random.default_rng(0)
+    max_k = max(widths) - 1
+    tokens = rounds = 0
+    total_ms = 0.0
+    per_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    used: dict[int, int] = defaultdict(int)
+    for rec in answers:
+        prompt, ans = rec["prompt"], rec["answer"]
+        n = len(ans)
+        d = make_drafter()
+        d.begin(prompt)
+        full, offered = [0] * n, [0] * n
+        for j in range(n):
+            room = min(max_k, n - j - 1)
+            if room > 0:
+                got = d.propose(DraftRequest(context=prompt + ans[:j], max_tokens=room, temperature=0.0, top_k=0,
+                                             top_p=1.0), rng).tokens.tolist()
+                offered[j] = len(got)
+                while full[j] < len(got) and got[full[j]] == ans[j + full[j]]:
+                    full[j] += 1
+        best = [0.0] * (n + 1)  # best[j]: least cost from position j to the end
+        pick = [1] * n
+        for j in range(n - 1, -1, -1):
+            best[j] = float("inf")
+            for w in widths:
+                if w - 1 <= offered[j]:
+                    c = verify_ms[w] + best[min(n, j + 1 + min(full[j], w - 1))]
+                    if c < best[j]:
+                        best[j], pick[j] = c, w
+        j = 0
+        while j < n:
+            used[pick[j]] += 1
+            rounds += 1
+            per_cat[rec["category"]][1] += 1
+            j += 1 + min(full[j], pick[j] - 1)
+        tokens += n
+        total_ms += best[0]
+        per_cat[rec["category"]][0] += n
+        per_cat[rec["category"]][2] += best[0]
+    return {"tau": round(tokens / rounds, 3), "rounds": rounds,
+            "tau_by_category": {c: round(t / r, 3) for c, (t, r, _) in sorted(per_cat.items())},
+            "widths": dict(sorted(used.items())), "vs_plain": round(tokens / total_ms * verify_ms[1], 3),
+            "vs_plain_by_category": {c: round(t / m * verify_ms[1], 3) for c, (t, _, m) in sorted(per_cat.items())}}
 
 
 def main() -> int:
@@ -184,7 +241,8 @@ def main() -> int:
 
                 cfg = SchedulerConfig()
                 run = Scheduler(CostModel(verify_ms, 0.0, cfg.cost_window, cfg.min_observations), widths, cfg)
-            r[name] = replay(make, answers, run, verify_ms, widths)
+            r[name] = (oracle(make, answers, verify_ms, widths) if pol == "oracle"
+                       else replay(make, answers, run, verify_ms, widths))
         speed = "" if not verify_ms else (f", {r['prompt lookup']['vs_plain']}x → "
                                           f"{r['prompt lookup + table']['vs_plain']}x plain")
         print(f"[replay] {key}: τ {r['prompt lookup']['tau']} → {r['prompt lookup + table']['tau']}{speed}",

@@ -12,6 +12,11 @@ replayed over those records with round costs from this device's profile (verify 
 width) plus the measured drafting time, giving tokens per ms per prompt and category: the
 same comparison as ``python -m dspark_edge bench``, deterministic, in seconds. It ranks
 policies; the interleaved benchmark still measures them. Prints one JSON object.
+
+Meant for drafters whose confidences depend only on the committed text (the DSpark drafter,
+draft models). The n-gram drafter's depend on the rounds themselves (its acceptance statistics,
+whether its last proposal foresaw the pending token): replay it with ``bench/ngram_replay.py``,
+which runs the drafter round by round.
 """
 
 from __future__ import annotations

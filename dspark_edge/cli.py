@@ -417,8 +417,16 @@ def _ngram_table_summary(engine, manifest) -> dict | None:
         t = NgramTable.load_for(path, manifest)
     except DSparkError as exc:
         return {"file": FILE_NAME, "error": str(exc)}
-    return {"file": FILE_NAME, "contexts": t.entries, "max_n": max(t.lengths, default=0),
-            "answers": t.meta.get("answers"), "answer_tokens": t.meta.get("answer_tokens")}
+    from .drafters.ngram import FEATURES
+
+    cal = t.calibration
+    usable = cal is not None and list(cal.get("features", [])) == list(FEATURES)
+    calibration = None if cal is None else {
+        "used": usable, "held_out_answers": cal.get("held_out_answers"), "judged_drafts": cal.get("judged_drafts"),
+        "two_fold": cal.get("two_fold"), "constant": cal.get("constant")}
+    return {"file": FILE_NAME, "format": t.meta.get("format"), "contexts": t.entries,
+            "max_n": max(t.lengths, default=0), "answers": t.meta.get("answers"),
+            "answer_tokens": t.meta.get("answer_tokens"), "calibration": calibration}
 
 
 def cmd_inspect(args) -> int:
@@ -474,6 +482,15 @@ def cmd_inspect(args) -> int:
         print(f"ngram      corpus table {table['file']}: " + (
             f"{table['contexts']} contexts (up to {table['max_n']} tokens) from {table['answers']} answers"
             if "error" not in table else f"unusable: {table['error']}"))
+        cal = table.get("calibration")
+        if cal is None and "error" not in table:
+            print("           confidences estimated online (the table has no calibration)")
+        elif cal is not None:
+            fit = cal.get("two_fold") or {}
+            print(f"           calibrated confidences{'' if cal['used'] else ' (fitted for other features: unused)'}: "
+                  f"{cal['judged_drafts']} held-out drafts, log-loss {fit.get('log_loss')} "
+                  f"(constant {(cal.get('constant') or {}).get('log_loss')}), ECE {fit.get('ece')}, "
+                  f"AUROC {fit.get('auroc')}")
     print(f"profile    {status}" + (f" ({prof.device_key}, {prof.created_utc})" if prof else
                                     " (run `python -m dspark_edge profile --engine ...`)"))
     print(f"telemetry  {', '.join(sources)}")

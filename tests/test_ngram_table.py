@@ -370,7 +370,7 @@ def test_built_table_carries_a_calibration_the_drafter_uses(engine_copy, tmp_pat
     assert NgramTable.load(few).calibration is None and "not calibrated" in said[-2]
 
 
-def test_calibrated_table_keeps_greedy_exact_with_the_scheduler(engine_copy, tmp_path):
+def test_calibrated_table_keeps_greedy_exact_with_the_scheduler(engine_copy, tmp_path, capsys):
     """Calibrated confidences go through the scheduler's online offset (observed_confidence is
     False); widths change, output does not."""
     from export.__main__ import main
@@ -389,3 +389,48 @@ def test_calibrated_table_keeps_greedy_exact_with_the_scheduler(engine_copy, tmp
         want = plain.generate(p, max_new_tokens=24, ignore_eos=True).token_ids
         assert spec.generate(p, max_new_tokens=24, ignore_eos=True).token_ids == want
     assert spec.scheduler.offset != 0.0  # the offset learned from the calibrated confidences
+
+    from dspark_edge.cli import main as cli_main
+
+    capsys.readouterr()
+    assert cli_main(["inspect", "--engine", str(engine_copy), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["ngram_table"]
+    assert shown["format"] == 2 and shown["calibration"]["used"]
+    assert shown["calibration"]["two_fold"]["log_loss"] < shown["calibration"]["constant"]["log_loss"]
+    assert cli_main(["inspect", "--engine", str(engine_copy)]) == 0
+    assert "calibrated confidences" in capsys.readouterr().out
+
+
+def test_replay_oracle_bounds_every_policy_and_the_scheduler_runs_as_in_the_pipeline():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from ngram_replay import oracle, replay
+
+    from dspark_edge.scheduler import CostModel, Scheduler
+
+    rng = np.random.default_rng(1)
+    phrase = [10, 11, 12, 13, 14, 15, 16]
+    answer = []
+    for _ in range(16):  # a phrase cut at a random point, then an unpredictable token
+        answer += phrase[:int(rng.integers(1, 8))] + [int(rng.integers(100, 200))]
+    answers = [{"id": "a", "category": "x", "prompt": [1, 2], "answer": answer}]
+    table = make_table([([1, 2] + phrase + [99] + phrase, 2)], max_n=3)
+    verify = {1: 10.0, 2: 13.0, 3: 16.0, 4: 19.0, 6: 25.0, 8: 31.0}
+    widths = tuple(verify)
+    runs = {k: replay(lambda: NgramDrafter(table=table), answers, k, verify, widths) for k in (1, 3, 5, 7)}
+    runs["oracle"] = oracle(lambda: NgramDrafter(table=table), answers, verify, widths)
+    sched = Scheduler(CostModel(verify, 0.0), widths)
+    runs["scheduler"] = replay(lambda: NgramDrafter(table=table), answers, sched, verify, widths)
+    for name, r in runs.items():
+        assert sum(r["widths"].values()) == r["rounds"], name
+        assert set(r["widths"]) <= set(widths), name
+    # the bound holds for every policy, and is above every fixed length here (the unpredictable
+    # tokens between phrases make fixed lengths waste verification)
+    assert all(runs["oracle"]["vs_plain"] >= r["vs_plain"] for r in runs.values())
+    assert runs["oracle"]["vs_plain"] > max(runs[k]["vs_plain"] for k in (1, 3, 5, 7))
+    # its cost is consistent with its widths: Σ rounds × cost equals tokens / speed
+    cost = sum(verify[w] * n for w, n in runs["oracle"]["widths"].items())
+    assert len(answer) / cost * verify[1] == pytest.approx(runs["oracle"]["vs_plain"], abs=2e-3)
+    assert sched.step == runs["scheduler"]["rounds"]  # decided every round, as the pipeline does
