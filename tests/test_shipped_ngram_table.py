@@ -41,6 +41,14 @@ def test_shipped_table_is_small_and_documented(default_engine):
     assert table.meta["source_sha256"] == m.model.source_sha256
     assert "ngram-table" in table.meta["command"] and table.meta["answers"] >= 400
     assert table.entries == sum(table.meta["entries"].values()) > 10_000
+    # it carries a confidence model the drafter uses, better than a constant on held-out drafts
+    from dspark_edge.drafters import NgramDrafter
+    from dspark_edge.drafters.ngram import FEATURES
+
+    cal = table.calibration
+    assert cal is not None and cal["features"] == list(FEATURES) and cal["judged_drafts"] >= 5000
+    assert cal["two_fold"]["log_loss"] < cal["constant"]["log_loss"] - 0.1 and cal["two_fold"]["ece"] < 0.05
+    assert NgramDrafter(table=table).weights is not None
 
 
 def test_table_drafts_keep_greedy_exact_and_are_accepted_more(engine):
@@ -49,6 +57,7 @@ def test_table_drafts_keep_greedy_exact_and_are_accepted_more(engine):
     plain = dspark_edge.load(engine, "fp32")
     with_table = dspark_edge.load(engine, "fp32", drafter="ngram", scheduler=False)
     prompt_only = dspark_edge.load(engine, "fp32", drafter="ngram:prompt", scheduler=False)
+    scheduled = dspark_edge.load(engine, "fp32", drafter="ngram")  # calibrated confidences, scheduler on
     assert with_table.drafter.name == "ngram+table" and prompt_only.drafter.table is None
     accepted = {"table": 0, "prompt": 0}
     for messages in picked:
@@ -57,5 +66,6 @@ def test_table_drafts_keep_greedy_exact_and_are_accepted_more(engine):
             r = pipe.generate(messages, max_new_tokens=48, ignore_eos=True, draft_tokens=3)
             assert r.token_ids == want, name
             accepted[name] += r.stats.draft_n_accepted
+        assert scheduled.generate(messages, max_new_tokens=48, ignore_eos=True).token_ids == want
     assert accepted["table"] > accepted["prompt"], accepted
     assert np.isfinite(with_table.drafter.table.shares[2]).all()
