@@ -417,12 +417,11 @@ def _ngram_table_summary(engine, manifest) -> dict | None:
         t = NgramTable.load_for(path, manifest)
     except DSparkError as exc:
         return {"file": FILE_NAME, "error": str(exc)}
-    from .drafters.ngram import FEATURES
+    from .drafters.ngram import calibration_weights
 
     cal = t.calibration
-    usable = cal is not None and list(cal.get("features", [])) == list(FEATURES)
     calibration = None if cal is None else {
-        "used": usable, "held_out_answers": cal.get("held_out_answers"), "judged_drafts": cal.get("judged_drafts"),
+        "used": calibration_weights(t) is not None, "held_out_answers": cal.get("held_out_answers"), "judged_drafts": cal.get("judged_drafts"),
         "two_fold": cal.get("two_fold"), "constant": cal.get("constant")}
     return {"file": FILE_NAME, "format": t.meta.get("format"), "contexts": t.entries,
             "max_n": max(t.lengths, default=0), "answers": t.meta.get("answers"),

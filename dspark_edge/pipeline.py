@@ -25,7 +25,7 @@ from .config import GenerationConfig, GenerationResult, GenerationStats
 from .errors import ConfigError, DSparkError, GenerationError, PromptError
 from .manifest import Manifest, read_manifest, verify_role_files
 from .decoder import DecoderModel
-from .drafters import Draft, DraftRequest, create as create_drafter
+from .drafters import NGRAM_SPECS, Draft, DraftRequest, create as create_drafter
 from .sampling import choose, coupled_choice
 from .scheduler import CostModel, Decision, Scheduler, SchedulerConfig
 from .telemetry import Reader, Sampler, Snapshot
@@ -79,7 +79,7 @@ def drafter_backend_options(drafter, options: BackendOptions | None) -> BackendO
     same cores, and the drafter's threads must not spin-wait after its short pass (a spinning
     drafter made the next width-2 target pass 61 instead of 40 ms, 2-core EPYC); the target
     keeps its own setting (docs/PERFORMANCE.md, "Two thread pools and BLAS")."""
-    if isinstance(drafter, (str, Path)) and str(drafter) not in ("ngram", "ngram:prompt", "ngram:online", "none"):
+    if isinstance(drafter, (str, Path)) and str(drafter) not in (*NGRAM_SPECS, "none"):
         log.info("drafter in use: onnxruntime thread spinning disabled for the drafter's session")
         return replace(options or BackendOptions(), allow_spinning=False)
     return options

@@ -45,15 +45,16 @@ from .telemetry import Snapshot
 log = logging.getLogger(__name__)
 
 
-def survival(confidence) -> np.ndarray:
-    return np.cumprod(np.clip(np.asarray(confidence, dtype=np.float64), 0.0, 1.0))
-
-
 def _survival(confidence) -> tuple[list[float], list[float]]:
     """(clipped confidences, survivals) as Python floats: a round's arrays hold a few numbers,
     where numpy's per-call overhead is most of the cost."""
     c = [min(max(float(x), 0.0), 1.0) for x in confidence]
     return c, list(itertools.accumulate(c, operator.mul))
+
+
+def survival(confidence) -> np.ndarray:
+    """a_j = Π_{i≤j} c_i, confidences clipped to [0, 1]."""
+    return np.asarray(_survival(confidence)[1], dtype=np.float64)
 
 
 def choose_width(confidence, widths: Sequence[int], cost, early_stop: bool = True) -> tuple[int, float]:
@@ -88,7 +89,7 @@ def choose_multi(confidences: Sequence[np.ndarray], cost_of_total, max_total: in
     requests' anchors included). Returns drafts per request."""
     pool = []
     for r, c in enumerate(confidences):
-        a = survival(np.asarray(c))
+        a = survival(c)
         pool += [(-a[j], r, j) for j in range(a.shape[0])]
     pool.sort()
     admitted = [0] * len(confidences)

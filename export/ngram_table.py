@@ -73,7 +73,7 @@ def calibration_rows(table: NgramTable, sequences, k: int = 7) -> tuple[np.ndarr
     for tokens, answer_start in sequences:
         ids = [int(t) for t in tokens]
         prompt, answer = ids[:answer_start], ids[answer_start:]
-        drafter = NgramDrafter(table=table)
+        drafter = NgramDrafter(table=table, record_features=True)
         drafter.begin(prompt)
         j = 0
         while j < len(answer) - 1:

@@ -270,6 +270,9 @@ def test_counts_are_capped_and_format_1_tables_still_load(tmp_path):
     assert table.counts is None and table.lookup([1, 2]) == (3, 2, 1.0, 0) and table.calibration is None
     d = NgramDrafter(table=table)
     assert d.weights is None and d.observed_confidence
+    d.begin([0])
+    assert list(d.propose(req([0, 1, 2], 1), np.random.default_rng(0)).tokens) == [3]
+    assert d.last_features is None  # no model to feed: its inputs are not computed
 
 
 def test_draft_features_layout():
@@ -294,7 +297,7 @@ def test_draft_features_layout():
 
 def test_on_track_reads_the_previous_proposal_past_the_accepted_drafts():
     table = make_table([([1, 2, 3, 4, 5, 6, 7], 0)] * 3)
-    d = NgramDrafter(table=table)
+    d = NgramDrafter(table=table, record_features=True)  # no calibration: the inputs only on request
     d.begin([0])
     on_track = 17  # "on track" column
     d.propose(req([0, 1, 2], 4), np.random.default_rng(0))  # proposes 3 4 5 6 after "0 1 2"

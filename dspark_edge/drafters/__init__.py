@@ -13,7 +13,10 @@ from .ngram_table import NgramTable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AcceptanceTracker", "Draft", "DraftRequest", "Drafter", "NgramDrafter", "NgramTable", "create"]
+__all__ = ["AcceptanceTracker", "Draft", "DraftRequest", "Drafter", "NGRAM_SPECS", "NgramDrafter", "NgramTable",
+           "create"]
+
+NGRAM_SPECS = ("ngram", "ngram:prompt", "ngram:online")  # the n-gram drafter by name: no model of its own
 
 
 def create(spec, target_manifest, options=None, verify_hashes: bool = True, engine_dir=None):
@@ -28,7 +31,7 @@ def create(spec, target_manifest, options=None, verify_hashes: bool = True, engi
         return None
     if hasattr(spec, "propose"):
         return spec
-    if spec in ("ngram", "ngram:prompt", "ngram:online"):
+    if spec in NGRAM_SPECS:
         table_path = None if engine_dir is None or spec == "ngram:prompt" else Path(engine_dir) / TABLE_FILE
         if table_path is None or not table_path.is_file():
             return NgramDrafter()

@@ -77,6 +77,14 @@ def draft_features(from_table: bool, lengths: Sequence[int], shares: Sequence[fl
     return x
 
 
+def calibration_weights(table: NgramTable) -> np.ndarray | None:
+    """The weights of the table's confidence model when it has one fitted for ``FEATURES``."""
+    cal = table.calibration
+    if cal is None or list(cal.get("features", [])) != list(FEATURES):
+        return None
+    return np.asarray(cal["weights"], dtype=np.float64)
+
+
 class RateTracker:
     """Acceptance of single draft tokens (given the ones before them were accepted), smoothed
     toward a prior."""
@@ -102,7 +110,7 @@ class NgramDrafter:
 
     def __init__(self, min_n: int = 1, max_n: int = 4, max_tokens: int = 8,
                  learn_across_generations: bool = False, table: NgramTable | None = None,
-                 table_min_n: int = 2, calibrated: bool = True) -> None:
+                 table_min_n: int = 2, calibrated: bool = True, record_features: bool = False) -> None:
         if not 1 <= min_n <= max_n:
             raise ConfigError(f"n-gram sizes need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if max_tokens < 1:
@@ -113,16 +121,17 @@ class NgramDrafter:
         self.table, self.table_min_n = table, table_min_n
         self.weights: np.ndarray | None = None  # the calibrated confidence model, when the table has one
         if table is not None:
-            self.name = "ngram+table"
-            cal = table.calibration if calibrated else None
-            if not calibrated:
-                self.name = "ngram+table (online)"
-            if cal is not None and list(cal.get("features", [])) == list(FEATURES):
-                self.weights = np.asarray(cal["weights"], dtype=np.float64)
+            self.name = "ngram+table" if calibrated else "ngram+table (online)"
+            if calibrated:
+                self.weights = calibration_weights(table)
+            if self.weights is not None:
                 self.observed_confidence = False  # calibrated offline: the scheduler's offset applies
-            elif cal is not None:
+            elif calibrated and table.calibration is not None:
                 log.warning("the n-gram table's confidence calibration was fitted for other features; "
                             "estimating confidences online instead (rebuild the table to use it)")
+        # The confidence model's inputs are computed when the model uses them, or when asked to
+        # (``record_features``: what the calibration fit replays), and kept in ``last_features``.
+        self.record_features = table is not None and (self.weights is not None or record_features)
         # Acceptance statistics shape the draft length, and with it how the random stream is
         # consumed: kept per generation by default so a seed reproduces its output.
         self.learn_across_generations = learn_across_generations
@@ -210,10 +219,12 @@ class NgramDrafter:
         self._last_n, self._last_buckets, self.last_features = None, None, None
         if k < 1:
             return Draft.empty()
-        on_track = self._on_track(ctx)
+        on_track = self._on_track(ctx) if self.record_features else None
         match = self._match(ctx)
         conv = self._copy(ctx, match[1], k) if match is not None else []
-        found = self.table.continue_from(ctx, k, 1) if self.table is not None else None
+        # The table is looked up when it may draft, or to tell whether it agrees.
+        wanted = self.table is not None and (self.record_features or match is None or match[0] < self.table_min_n)
+        found = self.table.continue_from(ctx, k, 1) if wanted else None
         if found is not None and not found.tokens:
             found = None
         # A short (or no) match in the conversation: the table's longer context wins; with no
@@ -228,7 +239,7 @@ class NgramDrafter:
             self._previous = (len(ctx), [])
             return Draft.empty()
         self._previous = (len(ctx), list(tokens))
-        if self.table is not None:  # the confidence model's inputs (also what its fit replays)
+        if self.record_features:
             agree = [i < len(other) and other[i] == t for i, t in enumerate(tokens)]
             if use_table:
                 x = draft_features(True, found.context_lengths, found.shares, found.counts, agree, on_track)
