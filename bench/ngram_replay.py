@@ -6,13 +6,14 @@ Under greedy decoding the tokens at every answer position are the target's whate
 were verified, so the target's plain greedy answers are recorded once and every drafter and
 policy is replayed over them: each round proposes up to k drafts for the committed text, keeps
 the longest prefix equal to the answer, and adds the target's own token. Rounds cost the device
-profile's verify time at their width (``--precision``; drafting, about 0.1 ms, is left out), so
-a policy's speed relative to plain decoding is tokens / Σ cost × cost(width 1). The scheduler is
-the runtime's ``Scheduler`` called as the pipeline calls it (confidences, online offset, cost
-correction); the oracle verifies, each round, exactly the drafts the target will accept: no
-width choice made before verifying can do better with these drafts, so it bounds what any
-scheduler can gain over the best fixed length. Prints one JSON object (with τ per category and
-the reliability of the table drafts' confidences by bin) and a line per policy.
+profile's verify time at their width (``--precision``; drafting is left out, its median time per
+proposal is reported), so a policy's speed relative to plain decoding is tokens / Σ cost ×
+cost(width 1). The scheduler is the runtime's ``Scheduler`` called as the pipeline calls it
+(confidences, online offset, cost correction). The oracle (``oracle``) knows how many of each
+proposal's drafts the target accepts and picks every round's width by a dynamic program over
+answer positions: no width choice made before verifying can do better with these drafts, so it
+bounds what any scheduler can gain over the best fixed length. Prints one JSON object (with τ
+per category and the reliability of the table drafts' confidences by bin) and a line per policy.
 
     python bench/ngram_replay.py --engine engines/smollm2-135m --table drafters/smollm2-135m-ngram.npz \
         --answers runs/bench_answers.json --precision int8
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -61,6 +63,7 @@ def replay(make_drafter, answers: list[dict], policy, verify_ms: dict[int, float
     per_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])  # tokens, rounds, ms
     bins: dict[int, list[float]] = defaultdict(lambda: [0, 0, 0.0])  # table drafts: judged, accepted, Σ confidence
     used: dict[int, int] = defaultdict(int)
+    propose_s: list[float] = []
     max_k = policy if isinstance(policy, int) else max(widths) - 1
     for rec in answers:
         prompt, ans = rec["prompt"], rec["answer"]
@@ -73,8 +76,10 @@ def replay(make_drafter, answers: list[dict], policy, verify_ms: dict[int, float
             sched = policy if not isinstance(policy, int) else None
             wants = sched is None or sched.wants_draft(snap)
             if room > 0 and wants:
-                draft = d.propose(DraftRequest(context=prompt + ans[:j], max_tokens=room, temperature=0.0, top_k=0,
-                                               top_p=1.0), rng)
+                request = DraftRequest(context=prompt + ans[:j], max_tokens=room, temperature=0.0, top_k=0, top_p=1.0)
+                t = time.perf_counter()
+                draft = d.propose(request, rng)
+                propose_s.append(time.perf_counter() - t)
                 drafts, conf = draft.tokens.tolist(), draft.confidence.tolist()
             full = 0
             while full < len(drafts) and drafts[full] == ans[j + full]:
@@ -113,7 +118,8 @@ def replay(make_drafter, answers: list[dict], policy, verify_ms: dict[int, float
             j += acc + 1
     out = {"tau": round(tokens / rounds, 3), "rounds": rounds,
            "tau_by_category": {c: round(t / r, 3) for c, (t, r, _) in sorted(per_cat.items())},
-           "widths": dict(sorted(used.items()))}
+           "widths": dict(sorted(used.items())),
+           "propose_ms_median": round(1e3 * float(np.median(propose_s)), 4) if propose_s else None}
     if verify_ms:
         out["vs_plain"] = round(tokens / sum(m for _, _, m in per_cat.values()) * verify_ms[1], 3)
         out["vs_plain_by_category"] = {c: round(t / m * verify_ms[1], 3) for c, (t, _, m) in sorted(per_cat.items())}
@@ -199,17 +205,16 @@ def main() -> int:
         raise ConfigError(f"--draft-tokens takes comma-separated integers, got {args.draft_tokens!r}") from None
     if not ks or min(ks) < 1:
         raise ConfigError(f"--draft-tokens must list lengths >= 1, got {args.draft_tokens!r}")
-    table = NgramTable.load_for(args.table, read_manifest(args.engine))
-    if args.answers is not None and args.answers.is_file():
-        answers = json.loads(args.answers.read_text())
-    else:
-        answers = record_answers(args.engine, load_prompts(args.prompts), args.max_new_tokens)
-        if args.answers is not None:
-            args.answers.parent.mkdir(parents=True, exist_ok=True)
-            args.answers.write_text(json.dumps(answers))
+    manifest = read_manifest(args.engine)
+    table = NgramTable.load_for(args.table, manifest)
     verify_ms, widths = None, ()
-    if args.precision != "none":
+    if args.precision != "none":  # checked before any answer is recorded
         from dspark_edge.profile import load_profile
+
+        listed = manifest.precisions("target")
+        if args.precision not in listed:
+            raise ConfigError(f"--precision {args.precision!r}: the engine's target has {', '.join(listed)}; pick one "
+                              "of those, or 'none' for accepted lengths only")
 
         prof, status = load_profile(args.engine)
         if prof is None or status not in ("ok", "throttled"):
@@ -224,6 +229,13 @@ def main() -> int:
             if k + 1 not in widths:
                 raise ConfigError(f"draft length {k} needs verify width {k + 1}, which the profile does not list "
                                   f"{list(widths)}")
+    if args.answers is not None and args.answers.is_file():
+        answers = json.loads(args.answers.read_text())
+    else:
+        answers = record_answers(args.engine, load_prompts(args.prompts), args.max_new_tokens)
+        if args.answers is not None:
+            args.answers.parent.mkdir(parents=True, exist_ok=True)
+            args.answers.write_text(json.dumps(answers))
     report = {"table": str(args.table), "table_contexts": table.entries, "answers": len(answers),
               "answer_tokens": sum(len(a["answer"]) for a in answers), "precision": args.precision,
               "verify_ms": verify_ms, "replays": {}}
