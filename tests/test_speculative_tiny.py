@@ -159,10 +159,7 @@ def _table_drafter(pipe, prompt: str) -> NgramDrafter:
     ids = pipe.encode_prompt(prompt)
     seqs = [(ids + list(pipe.generate(prompt, max_new_tokens=6, temperature=1.0, seed=s, ignore_eos=True).token_ids),
              len(ids)) for s in range(6)]
-    arrays = table_arrays(count_continuations(seqs, 2))
-    table = NgramTable({n: arrays[f"keys_{n}"] for n in (1, 2)}, {n: arrays[f"next_{n}"].astype(np.int64) for n in (1, 2)},
-                       {n: arrays[f"share_{n}"].astype(np.float32) for n in (1, 2)}, {"format": 1})
-    return NgramDrafter(min_n=1, max_n=2, table=table)
+    return NgramDrafter(min_n=1, max_n=2, table=NgramTable.from_arrays(table_arrays(count_continuations(seqs, 2))))
 
 
 @pytest.mark.parametrize("drafter", ["poor", "ngram"])
