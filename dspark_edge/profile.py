@@ -71,18 +71,54 @@ class DeviceProfile:
         return float(np.median(rows)) if rows else None
 
 
-def device_identity() -> tuple[str, dict[str, str]]:
+# Instruction-set tiers that change which kernels run (and so the shape of the verify curve),
+# most capable first: the first one the CPU reports names its tier in the device key.
+ISA_TIERS = (("amx", "amx_tile"), ("avx512vnni", "avx512_vnni"), ("avx512", "avx512f"),
+             ("avxvnni", "avx_vnni"), ("avx2", "avx2"), ("neon", "asimd"))
+
+
+def cpu_identity(cpuinfo: str) -> dict[str, str]:
+    """What tells CPUs apart in ``/proc/cpuinfo`` (its first processor): the model name, and the
+    family/model (x86) or implementer/part (Arm) numbers and the instruction-set tier. A
+    virtual machine often reports only a brand ("AMD EPYC"), under which CPUs twice as fast
+    as each other hide; the numbers and the tier tell them apart."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip().lower(), value.strip())
+    out: dict[str, str] = {}
+    cpu = fields.get("model name") or fields.get("hardware")
+    if cpu:
+        out["cpu"] = cpu
+    if "cpu family" in fields and "model" in fields:
+        out["cpu_id"] = f"f{fields['cpu family']}m{fields['model']}"
+    elif "cpu implementer" in fields and "cpu part" in fields:
+        out["cpu_id"] = f"{fields['cpu implementer']}-{fields['cpu part']}"
+    flags = set((fields.get("flags") or fields.get("features") or "").split())
+    tier = next((name for name, flag in ISA_TIERS if flag in flags), None)
+    if tier:
+        out["isa"] = tier
+    return out
+
+
+def device_identity(cpuinfo: str | None = None) -> tuple[str, dict[str, str]]:
+    """(key, description) of this device; the key names the profile file. ``cpuinfo``: the
+    text of ``/proc/cpuinfo`` (read when not given)."""
     import psutil
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith(("model name", "hardware")):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    ident = {"cpu": cpu, "cores": str(psutil.cpu_count() or 0), "machine": platform.machine(),
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    cpu = cpu_identity(cpuinfo)
+    ident = {"cpu": cpu.get("cpu") or platform.processor() or platform.machine(),
+             **{k: v for k, v in cpu.items() if k != "cpu"},
+             "cores": str(psutil.cpu_count() or 0), "machine": platform.machine(),
              "memory_gb": f"{psutil.virtual_memory().total / 2**30:.0f}", "system": platform.system()}
     gpu = ""
     try:
@@ -94,7 +130,8 @@ def device_identity() -> tuple[str, dict[str, str]]:
         ident["gpu"] = gpu
     except Exception:  # no NVML / no GPU: a CPU device
         pass
-    key = re.sub(r"[^a-z0-9]+", "-", f"{ident['machine']} {cpu} {ident['cores']}c {gpu}".lower()).strip("-")
+    parts = [ident["machine"], ident["cpu"], ident.get("cpu_id", ""), ident.get("isa", ""), f"{ident['cores']}c", gpu]
+    key = re.sub(r"[^a-z0-9]+", "-", " ".join(parts).lower()).strip("-")
     return key, ident
 
 

@@ -111,6 +111,39 @@ def test_profile_round_trip_and_staleness(tmp_path, tiny_engine):
     assert load_profile(tiny_engine, tmp_path / "none")[1] == "missing"
 
 
+ZEN4 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx avx2 fma
+
+processor\t: 1
+model name\t: something else
+"""
+
+
+def test_cpu_identity_tells_apart_cpus_that_share_a_brand_name():
+    from dspark_edge.profile import cpu_identity
+
+    zen4 = cpu_identity(ZEN4)
+    assert zen4 == {"cpu": "AMD EPYC", "cpu_id": "f25m17", "isa": "avx2"}  # the first processor only
+    older = cpu_identity(ZEN4.replace("cpu family\t: 25", "cpu family\t: 23").replace("model\t\t: 17", "model\t\t: 49"))
+    assert older["cpu"] == zen4["cpu"] and older["cpu_id"] == "f23m49"
+    assert cpu_identity(ZEN4.replace("avx2 fma", "avx2 avx512f avx512_vnni"))["isa"] == "avx512vnni"
+    arm = cpu_identity("processor\t: 0\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\nCPU part\t: 0xd42\n")
+    assert arm == {"cpu_id": "0x41-0xd42", "isa": "neon"}
+    assert cpu_identity("") == {}
+
+
+def test_device_key_names_the_cpu_numbers():
+    from dspark_edge.profile import device_identity
+
+    key, ident = device_identity(cpuinfo=ZEN4)
+    assert "-amd-epyc-f25m17-avx2-" in key and ident["cpu_id"] == "f25m17" and ident["isa"] == "avx2"
+    assert device_identity(cpuinfo=ZEN4.replace("model\t\t: 17", "model\t\t: 1"))[0] != key
+
+
 def test_measure_profile_on_the_tiny_engine(tiny_engine):
     from dspark_edge.profile import measure_profile
 
