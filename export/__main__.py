@@ -7,6 +7,8 @@
     python -m export drafter --target engines/smollm2-135m --weights drafters/smollm2-135m
     python -m export ngram-table --target engines/smollm2-135m --work runs/drafter
     python -m export ngram-table --target engines/smollm2-135m --from drafters/smollm2-135m-ngram.npz
+    python -m export ngram-table --target engines/smollm2-135m --answers drafters/smollm2-135m-answers.npz
+    python -m export answers --target engines/smollm2-135m --work runs/drafter --output answers.npz
     python -m export target --source default --graph portable --precisions fp32,fp16,int8 \
         --output engines/smollm2-135m-portable
     python -m export trt --engine engines/smollm2-135m-portable      (NVIDIA GPU + TensorRT)
@@ -97,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="copy tasks (summarise / rewrite / explain a paragraph or function from the installed "
                          "documents) to answer, 0 for none (default: %(default)s)")
     tr.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: %(default)s)")
+    tr.add_argument("--answers", type=Path, default=None,
+                    help="a file of recorded answers (`python -m export answers`): prompts it holds are not "
+                         "answered again (default: none; the project ships drafters/smollm2-135m-answers.npz "
+                         "for the embedded default)")
     tr.add_argument("--layers", type=int, default=2, help="backbone layers (default: %(default)s)")
     tr.add_argument("--slots", type=int, default=7, help="drafts per block (default: %(default)s)")
     tr.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default: %(default)s)")
@@ -129,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--work", type=Path, help="train-drafter work folder holding the target's answers")
     src.add_argument("--from", dest="from_file", type=Path, help="a table file to install (checked against the "
                                                                   "engine's tokenizer)")
+    src.add_argument("--answers", type=Path, help="a file of recorded answers (`python -m export answers`) to count "
+                                                  "instead of a work folder")
     ng.add_argument("--prompts", type=int, default=None,
                     help="with --work: use the answers to the first N training prompts (default: every answer shard)")
     ng.add_argument("--max-n", type=int, default=4, help="longest context, in tokens (default: %(default)s)")
@@ -138,6 +146,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --work: skip fitting the drafter's confidence model (the drafter then estimates "
                          "its confidences online)")
     ng.add_argument("-v", "--verbose", action="store_true", help="log details")
+
+    an = sub.add_parser("answers", help="pack the target's recorded answers of a train-drafter work folder into "
+                                        "one small file",
+                        description="Write the token ids of the answers a train-drafter work folder holds (training "
+                                    "prompts and copy tasks; not the features) to one compressed file, which "
+                                    "`train-drafter --answers` and `ngram-table --answers` reuse instead of "
+                                    "generating the answers again.")
+    an.add_argument("--target", type=Path, required=True, help="the target's engine folder the answers belong to")
+    an.add_argument("--work", type=Path, required=True, help="train-drafter work folder")
+    an.add_argument("--output", type=Path, required=True, help="file to write (.npz)")
+    an.add_argument("-v", "--verbose", action="store_true", help="log details")
 
     rt = sub.add_parser("trt", help="build TensorRT engines from a portable engine folder (NVIDIA GPU + TensorRT)",
                         description="Build one TensorRT engine per precision from the folder's portable ONNX graphs "
@@ -188,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             train_drafter(TrainDrafterOptions(
                 target_engine=args.target, output=args.output, work=args.work, source=args.source,
                 prompts=args.prompts, max_new_tokens=args.max_new_tokens, text_tokens=args.text_tokens,
-                copy_prompts=args.copy_prompts,
+                copy_prompts=args.copy_prompts, answers=args.answers,
                 layers=args.layers, slots=args.slots,
                 draft_vocab=args.draft_vocab, markov_rank=args.markov_rank, steps=args.steps, lr=args.lr),
                 progress=progress)
@@ -205,12 +224,20 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.from_file is not None:
                 if args.output is not None or args.prompts is not None or args.no_calibration:
-                    raise ExportError("--output, --prompts and --no-calibration apply to building a table (--work), "
-                                      "not to --from")
+                    raise ExportError("--output, --prompts and --no-calibration apply to building a table (--work "
+                                      "or --answers), not to --from")
                 install_table(args.target, args.from_file, progress)
             else:
+                if args.answers is not None and args.prompts is not None:
+                    raise ExportError("--prompts applies to --work (its first N training prompts); --answers counts "
+                                      "every answer the file holds")
                 build_table(args.target, args.work, args.prompts, args.max_n, args.output, progress,
-                            calibrate=not args.no_calibration)
+                            calibrate=not args.no_calibration, answers=args.answers)
+            return 0
+        if args.command == "answers":
+            from .answers import pack_answers
+
+            pack_answers(args.target, args.work, args.output, progress)
             return 0
         if args.command == "drafter":
             from .drafter.install import install_drafter

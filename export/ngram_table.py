@@ -2,7 +2,9 @@
 (``dspark_edge.drafters.ngram_table``) from the target's own greedy answers.
 
 The answers are those a ``train-drafter`` work folder already holds (``<work>/data`` answer
-shards, and ``<work>/copy`` copy-task answers when present): only answer tokens are counted as
+shards, and ``<work>/copy`` copy-task answers when present), or the same packed into one file
+by ``python -m export answers`` (``--answers``; the project ships the embedded default's):
+only answer tokens are counted as
 continuations, each with up to ``max_n`` tokens of context before it (prompt tokens included).
 The table is written to a temporary file and renamed into place, so an engine folder never holds
 a half-written one; ``--from`` installs a table built elsewhere (the one the project ships) after
@@ -204,18 +206,28 @@ def _replacing(path: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def build_table(target: Path, work: Path, prompts: int | None = None, max_n: int = 4, output: Path | None = None,
-                progress=print, calibrate: bool = True) -> Path:
-    """Count the answers in ``work`` and write the table to ``output`` (default: the engine
-    folder's ``ngram_table.npz``), with the drafter's confidence calibration unless
-    ``calibrate`` is false."""
+def build_table(target: Path, work: Path | None, prompts: int | None = None, max_n: int = 4, output: Path | None = None,
+                progress=print, calibrate: bool = True, answers: Path | None = None) -> Path:
+    """Count the answers in ``work`` (or in the packed ``answers`` file) and write the table to
+    ``output`` (default: the engine folder's ``ngram_table.npz``), with the drafter's confidence
+    calibration unless ``calibrate`` is false."""
     if not 1 <= max_n <= 8:
         raise ExportError(f"--max-n must be in 1..8, got {max_n}")
+    if (work is None) == (answers is None):
+        raise ExportError("count either a work folder (--work) or an answers file (--answers)")
     manifest = read_manifest(target)
-    seqs, answers, tokens, n_shards, n_copy = _answer_sequences(work, prompts)
     steps = 3 if calibrate else 2
-    progress(f"[1/{steps}] counting continuations in {answers} answers ({tokens} answer tokens; {n_shards} answer "
-             f"shard(s), {n_copy} copy-task shard(s))")
+    if answers is not None:
+        from .answers import load_answers
+
+        packed = load_answers(answers, manifest)
+        seqs = packed.sequences()
+        n_answers, tokens = len(seqs), sum(len(s) - p for s, p in seqs)
+        where = f"{answers}"
+    else:
+        seqs, n_answers, tokens, n_shards, n_copy = _answer_sequences(work, prompts)
+        where = f"{n_shards} answer shard(s), {n_copy} copy-task shard(s)"
+    progress(f"[1/{steps}] counting continuations in {n_answers} answers ({tokens} answer tokens; {where})")
     arrays = table_arrays(count_continuations(seqs, max_n))
     calibration = None
     if calibrate:
@@ -225,7 +237,8 @@ def build_table(target: Path, work: Path, prompts: int | None = None, max_n: int
     entries = {n: int(arrays[f"keys_{n}"].size) for n in range(1, max_n + 1)}
     meta = {"format": FORMAT, "context_lengths": list(range(1, max_n + 1)), "entries": entries,
             "tokenizer_sha256": tok_sha, "source_sha256": manifest.model.source_sha256, "model": manifest.model.name,
-            "answers": answers, "answer_tokens": tokens, "work": str(work), "calibration": calibration,
+            "answers": n_answers, "answer_tokens": tokens, "work": str(work if answers is None else answers),
+            "calibration": calibration,
             "command": ("python -m export " + " ".join(shlex.quote(a) for a in sys.argv[1:])) if sys.argv[1:] else ""}
     out = output or target / FILE_NAME
     with _replacing(out) as tmp:

@@ -36,6 +36,7 @@ class TrainDrafterOptions:
     max_new_tokens: int = 192
     text_tokens: int = 200_000
     copy_prompts: int = 256
+    answers: Path | None = None  # recorded answers (``python -m export answers``) to reuse
     layers: int = 2
     slots: int = 7
     draft_vocab: int = 8192
@@ -154,11 +155,18 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
         raise ExportError(f"--draft-vocab {opts.draft_vocab} exceeds the target's vocabulary ({manifest.model.vocab_size})")
     if opts.prompts > len(prompts):
         raise ExportError(f"--prompts {opts.prompts} exceeds the {len(prompts)} training prompts")
-    progress(f"[2/4] target answers and features for {opts.prompts} prompts (resumable)")
+    known = None
+    if opts.answers is not None:
+        from ..answers import load_answers
+
+        known = load_answers(opts.answers, manifest, opts.max_new_tokens).by_prompt()
+    progress(f"[2/4] target answers and features for {opts.prompts} prompts (resumable"
+             + (f"; {len(known)} recorded answers in {opts.answers} are reused" if known is not None else "") + ")")
     decoder = DecoderModel(manifest, opts.target_engine, "fp32")
     tok = Tokenizer.from_engine(opts.target_engine, manifest)
     shards = build_shards(target, decoder, tok, prompts[:opts.prompts], opts.work / "data", manifest.tokenizer.eos_ids[0],
-                          manifest.tokenizer.pad_id, opts.max_new_tokens, progress=lambda s: progress("      " + s))
+                          manifest.tokenizer.pad_id, opts.max_new_tokens, progress=lambda s: progress("      " + s),
+                          known=known)
     docs = package_documents() if (opts.text_tokens or opts.copy_prompts) else []
     copy_note = "no copy tasks"
     if opts.copy_prompts:
@@ -179,7 +187,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
                      "to rebuild them, or pass --copy-prompts 0")
         shards += build_shards(target, decoder, tok, tasks, folder, manifest.tokenizer.eos_ids[0],
                                manifest.tokenizer.pad_id, opts.max_new_tokens,
-                               progress=lambda s: progress("      copy " + s))
+                               progress=lambda s: progress("      copy " + s), known=known)
     answers = count_sequences(shards)
     text_note = "no teacher-forced text"
     if opts.text_tokens:

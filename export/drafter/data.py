@@ -154,9 +154,11 @@ def answer_shards(work: Path, prompts: int) -> list[Path]:
 
 
 def build_shards(model, decoder, tokenizer, prompts: list[dict], folder: Path, eos_id: int, pad_id: int,
-                 max_new_tokens: int = 192, per_shard: int = ANSWERS_PER_SHARD, top_k: int = 16, progress=None) -> list[Path]:
+                 max_new_tokens: int = 192, per_shard: int = ANSWERS_PER_SHARD, top_k: int = 16, progress=None,
+                 known: dict[tuple[int, ...], list[int]] | None = None) -> list[Path]:
     """Write every missing shard; returns all shard paths in order. ``model`` (PyTorch) writes
-    the greedy answers in one batch per shard; ``decoder`` (the target's FP32 engine) gives the
+    the greedy answers in one batch per shard, except those ``known`` holds (recorded answers
+    keyed by prompt ids, same model and cap); ``decoder`` (the target's FP32 engine) gives the
     features."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = [shard_path(folder, i) for i in range((len(prompts) + per_shard - 1) // per_shard)]
@@ -164,9 +166,15 @@ def build_shards(model, decoder, tokenizer, prompts: list[dict], folder: Path, e
     def make(i: int) -> str:
         recs = prompts[i * per_shard:(i + 1) * per_shard]
         prompt_ids = [tokenizer.encode_chat(r["messages"]) for r in recs]
-        answers = generate_answers(model, prompt_ids, max_new_tokens, eos_id, pad_id, per_shard)
+        answers = [None if known is None else known.get(tuple(p)) for p in prompt_ids]
+        todo = [j for j, a in enumerate(answers) if a is None]
+        if todo:
+            made = generate_answers(model, [prompt_ids[j] for j in todo], max_new_tokens, eos_id, pad_id, per_shard)
+            for j, a in zip(todo, made):
+                answers[j] = a
         write_shard(paths[i], decoder, list(zip(prompt_ids, answers)), top_k)
-        return f"{sum(len(a) for a in answers)} answer tokens"
+        reused = len(answers) - len(todo)
+        return f"{sum(len(a) for a in answers)} answer tokens" + (f", {reused} recorded answers reused" if reused else "")
 
     def complete(i: int) -> bool:
         # A last shard written for fewer prompts is rewritten when more are asked for, so that

@@ -1,0 +1,147 @@
+"""The target's recorded greedy answers, packed into one small file.
+
+Generating the answers is the slow part of ``train-drafter`` (about 20 ms a token on a 2-core
+CPU, PyTorch batched greedy decoding) and everything else the project derives from them is fast:
+the n-gram table and its calibration (``ngram-table``) count and replay token ids, and the
+drafter's features are one teacher-forced pass of the engine (about 10x faster than
+generating). ``python -m export answers`` packs the token ids of a ``train-drafter`` work
+folder's answer shards (``data/``: training prompts, ``copy/``: copy tasks; the features stay
+behind) into one compressed file, which is small enough to keep with the project:
+
+    python -m export answers --target engines/smollm2-135m --work runs/drafter \\
+        --output drafters/smollm2-135m-answers.npz
+
+``train-drafter --answers FILE`` then takes the answer of every prompt the file holds instead
+of generating it (same prompt token ids, same model, same ``--max-new-tokens``), and
+``ngram-table --answers FILE`` counts the file instead of a work folder. A file is refused for
+another model or tokenizer, never silently mixed in.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dspark_edge.errors import ExportError
+from dspark_edge.manifest import Manifest, read_manifest
+
+FORMAT = 1
+KINDS = ("prompt", "copy")  # a training prompt's answer; a copy task's answer
+
+
+@dataclass(frozen=True)
+class Answers:
+    """Sequences of prompt ids followed by the target's greedy answer ids."""
+
+    tokens: np.ndarray  # all sequences end to end
+    offsets: np.ndarray  # [n + 1]
+    prompt_lens: np.ndarray  # [n]
+    kinds: np.ndarray  # [n] index into KINDS
+    meta: dict
+
+    def __len__(self) -> int:
+        return int(self.prompt_lens.shape[0])
+
+    def pair(self, i: int) -> tuple[list[int], list[int]]:
+        a, b, p = int(self.offsets[i]), int(self.offsets[i + 1]), int(self.prompt_lens[i])
+        ids = self.tokens[a:b].tolist()
+        return ids[:p], ids[p:]
+
+    def by_prompt(self) -> dict[tuple[int, ...], list[int]]:
+        """Answer ids keyed by prompt ids (what ``train-drafter`` looks prompts up by)."""
+        return {tuple(p): a for p, a in (self.pair(i) for i in range(len(self)))}
+
+    def sequences(self) -> list[tuple[np.ndarray, int]]:
+        """(prompt + answer ids, prompt length) per answer, as ``ngram-table`` counts them."""
+        return [(self.tokens[int(self.offsets[i]):int(self.offsets[i + 1])].astype(np.int64), int(self.prompt_lens[i]))
+                for i in range(len(self))]
+
+
+def _shard_groups(work: Path) -> list[tuple[int, list[Path]]]:
+    from .drafter.data import shard_path
+
+    groups = []
+    for kind, folder in enumerate((work / "data", work / "copy")):
+        paths: list[Path] = []
+        while shard_path(folder, len(paths)).is_file():  # a shard being written has another name
+            paths.append(shard_path(folder, len(paths)))
+        groups.append((kind, paths))
+    return groups
+
+
+def pack_answers(target: Path, work: Path, output: Path, progress=print) -> Path:
+    """Write the answers of ``work``'s shards to ``output`` (renamed into place when complete)."""
+    from .ngram_table import _replacing
+
+    manifest = read_manifest(target)
+    groups = _shard_groups(work)
+    if not groups[0][1]:
+        raise ExportError(f"{work / 'data'} holds no answer shards; write them with `python -m export train-drafter "
+                          f"--target {target} --output DIR --work {work} --steps 1`")
+    options = work / "options.json"
+    max_new = json.loads(options.read_text()).get("max_new_tokens") if options.is_file() else None
+    if max_new is None:
+        raise ExportError(f"{options} is missing: it records the answers' --max-new-tokens; pack a folder "
+                          "written by `python -m export train-drafter`")
+    seqs, prompt_lens, kinds = [], [], []
+    for kind, paths in groups:
+        for path in paths:
+            with np.load(path) as shard:  # token ids only: the features stay on disk
+                ids, offsets, plens = shard["tokens"], shard["offsets"], shard["prompt_lens"]
+            for i in range(plens.shape[0]):
+                seqs.append(ids[int(offsets[i]):int(offsets[i + 1])])
+                prompt_lens.append(int(plens[i]))
+                kinds.append(kind)
+    vocab = manifest.model.vocab_size
+    dtype = np.uint16 if vocab <= 2**16 else np.int32
+    tokens = np.concatenate(seqs).astype(dtype)
+    answer_tokens = int(sum(len(s) - p for s, p in zip(seqs, prompt_lens)))
+    counts = {k: kinds.count(i) for i, k in enumerate(KINDS)}
+    meta = {"format": FORMAT, "model": manifest.model.name, "source_sha256": manifest.model.source_sha256,
+            "tokenizer_sha256": manifest.file_entry(manifest.tokenizer.file).sha256, "max_new_tokens": int(max_new),
+            "answers": counts, "answer_tokens": answer_tokens, "work": str(work),
+            "command": ("python -m export " + " ".join(shlex.quote(a) for a in sys.argv[1:])) if sys.argv[1:] else ""}
+    with _replacing(output) as tmp:
+        np.savez_compressed(tmp, meta=np.asarray(json.dumps(meta, sort_keys=True)), tokens=tokens,
+                            offsets=np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64),
+                            prompt_lens=np.asarray(prompt_lens, dtype=np.int32), kinds=np.asarray(kinds, dtype=np.int8))
+    progress(f"wrote {output}: {len(seqs)} answers ({', '.join(f'{v} {k}' for k, v in counts.items())}), "
+             f"{answer_tokens} answer tokens, {output.stat().st_size / 1e6:.2f} MB")
+    return output
+
+
+def load_answers(path: Path, manifest: Manifest, max_new_tokens: int | None = None) -> Answers:
+    """The answers in ``path``, checked against the engine's model and tokenizer (and the answer
+    length cap when given); an ExportError naming the mismatch otherwise."""
+    if not path.is_file():
+        raise ExportError(f"{path} does not exist; pack answers with `python -m export answers --work WORK`")
+    try:
+        with np.load(path) as f:
+            meta = json.loads(str(f["meta"]))
+            answers = Answers(tokens=f["tokens"], offsets=f["offsets"], prompt_lens=f["prompt_lens"], kinds=f["kinds"],
+                              meta=meta)
+    except (OSError, KeyError, ValueError) as exc:
+        raise ExportError(f"{path}: not an answers file ({exc}); pack one with `python -m export answers`") from exc
+    if meta.get("format") != FORMAT:
+        raise ExportError(f"{path}: answers format {meta.get('format')}, this exporter reads format {FORMAT}")
+    tok_sha = manifest.file_entry(manifest.tokenizer.file).sha256
+    if meta.get("tokenizer_sha256") != tok_sha:
+        raise ExportError(f"{path} was recorded with another tokenizer than {manifest.model.name}'s; record answers "
+                          "for this engine with `python -m export train-drafter` (and pack them)")
+    if meta.get("source_sha256") != manifest.model.source_sha256:
+        raise ExportError(f"{path} holds the answers of another model ({meta.get('model')}, source "
+                          f"{str(meta.get('source_sha256'))[:12]}…) than this engine's ({manifest.model.name}, "
+                          f"{manifest.model.source_sha256[:12]}…)")
+    if max_new_tokens is not None and meta.get("max_new_tokens") != max_new_tokens:
+        raise ExportError(f"{path} holds answers capped at {meta.get('max_new_tokens')} tokens, not "
+                          f"--max-new-tokens {max_new_tokens}; pass --max-new-tokens {meta.get('max_new_tokens')} "
+                          "or --answers none")
+    n = answers.prompt_lens.shape[0]
+    if answers.offsets.shape != (n + 1,) or answers.kinds.shape != (n,) or int(answers.offsets[-1]) != answers.tokens.size:
+        raise ExportError(f"{path}: its arrays disagree (the file is damaged); pack it again")
+    return answers
