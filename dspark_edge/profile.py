@@ -186,11 +186,21 @@ def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512
         for depth in contexts:
             cache.reset()
             model.prefill(cache, rng.integers(10, manifest.model.vocab_size, depth).astype(np.int64))
-            for w in model.widths:
-                ids = rng.integers(10, manifest.model.vocab_size, w).astype(np.int64)
-                med, p90 = _time(lambda: model.step(cache, ids), warmup, reps)
-                timings.append(Timing("target", precision, w, depth, med, p90))
+            # Widths interleaved, one pass each per repeat: a drift of the machine's speed (boost
+            # clocks, a neighbour's load) lands on every width alike instead of on whichever
+            # width was being timed when it came, which bends the curve the scheduler reads.
+            ids = {w: rng.integers(10, manifest.model.vocab_size, w).astype(np.int64) for w in model.widths}
+            ms: dict[int, list[float]] = {w: [] for w in model.widths}
+            for rep in range(warmup + reps):
+                for w in model.widths:
+                    t0 = time.perf_counter()
+                    model.step(cache, ids[w])
+                    if rep >= warmup:
+                        ms[w].append((time.perf_counter() - t0) * 1e3)
                 note()
+            for w in model.widths:
+                timings.append(Timing("target", precision, w, depth, statistics.median(ms[w]),
+                                      float(np.percentile(ms[w], 90))))
             if progress:
                 progress(f"target {precision} at context {depth}: " +
                          " ".join(f"w{t.width}={t.median_ms:.1f}" for t in timings[-len(model.widths):]) + " ms")
