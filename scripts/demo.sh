@@ -17,7 +17,10 @@ if [ -f "$weights/drafter.json" ] && ! "$py" -c "import sys, dspark_edge; sys.ex
   "$py" -m export drafter --target "$engine" --weights "$weights"
 fi
 table=${DSPARK_NGRAM_TABLE:-drafters/smollm2-135m-ngram.npz}
-if [ -f "$table" ] && [ ! -f "$engine/ngram_table.npz" ]; then
+# Installed when the engine folder has none, or has one older than the shipped file that
+# differs from it (the project shipped a newer table since); a table built later is kept.
+if [ -f "$table" ] && { [ ! -f "$engine/ngram_table.npz" ] || \
+     { [ "$table" -nt "$engine/ngram_table.npz" ] && ! cmp -s "$table" "$engine/ngram_table.npz"; }; }; then
   echo "[demo] adding the shipped n-gram table ($table) to $engine" >&2
   "$py" -m export ngram-table --target "$engine" --from "$table"
 fi
