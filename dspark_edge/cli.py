@@ -490,8 +490,13 @@ def cmd_inspect(args) -> int:
                   f"{cal['judged_drafts']} held-out drafts, log-loss {fit.get('log_loss')} "
                   f"(constant {(cal.get('constant') or {}).get('log_loss')}), ECE {fit.get('ece')}, "
                   f"AUROC {fit.get('auroc')}")
-    print(f"profile    {status}" + (f" ({prof.device_key}, {prof.created_utc})" if prof else
-                                    " (run `python -m dspark_edge profile --engine ...`)"))
+    if prof is None:
+        from .profile import device_identity
+
+        print(f"profile    {status} for this device ({device_identity()[0]}): the scheduler measures the verify "
+              f"curve for a second at load; `python -m dspark_edge profile --engine {args.engine}` keeps one")
+    else:
+        print(f"profile    {status} ({prof.device_key}, {prof.created_utc})")
     print(f"telemetry  {', '.join(sources)}")
     total = sum(f.size for f in m.files)
     print(f"files      {len(m.files)}, {total / 2**20:.1f} MiB, "
