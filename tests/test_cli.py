@@ -49,6 +49,15 @@ def test_inspect(tiny_engine):
     assert json.loads(j.stdout)["schema_version"] == 1
 
 
+def test_inspect_names_the_device_key_when_no_profile_matches(tiny_engine, tmp_path, monkeypatch):
+    from dspark_edge.profile import device_identity
+
+    monkeypatch.setenv("DSPARK_PROFILES", str(tmp_path))  # an empty profiles folder
+    p = run("inspect", "--engine", str(tiny_engine))
+    assert p.returncode == 0, p.stderr
+    assert f"profile    missing for this device ({device_identity()[0]})" in p.stdout
+
+
 def test_bench_prints_measurements(tiny_engine):
     p = run("bench", "--engine", str(tiny_engine), "--limit", "2", "--max-new-tokens", "8", "--repeats", "2",
             "--depth", "16")
