@@ -69,3 +69,23 @@ def test_table_drafts_keep_greedy_exact_and_are_accepted_more(engine):
         assert scheduled.generate(messages, max_new_tokens=48, ignore_eos=True).token_ids == want
     assert accepted["table"] > accepted["prompt"], accepted
     assert np.isfinite(with_table.drafter.table.shares[2]).all()
+
+
+ANSWERS = REPO / "drafters" / "smollm2-135m-answers.npz"
+
+
+def test_shipped_table_is_counted_again_from_the_shipped_answers(default_engine, tmp_path):
+    from export.answers import load_answers
+    from export.ngram_table import build_table
+
+    m = dspark_edge.read_manifest(default_engine)
+    answers = load_answers(ANSWERS, m, max_new_tokens=192)
+    assert ANSWERS.stat().st_size <= 2**20 and answers.meta["answers"] == {"prompt": 920, "copy": 512}
+    shipped = NgramTable.load_for(TABLE, m)
+    assert shipped.meta["answers"] == len(answers) and "--answers" in shipped.meta["command"]
+    again = NgramTable.load(build_table(default_engine, None, output=tmp_path / "again.npz", progress=lambda s: None,
+                                        answers=ANSWERS))
+    for n in shipped.lengths:
+        assert np.array_equal(again.keys[n], shipped.keys[n]) and np.array_equal(again.nexts[n], shipped.nexts[n])
+        assert np.array_equal(again.shares[n], shipped.shares[n]) and np.array_equal(again.counts[n], shipped.counts[n])
+    assert again.calibration["weights"] == shipped.calibration["weights"]
