@@ -346,3 +346,30 @@ def test_decide_without_shift_ignores_the_offset():
     assert unshifted.confidence_offset == 0.0 and unshifted.width == plain_choice.width
     assert unshifted.survival == plain_choice.survival
     assert sched.decide(conf, snap).survival[0] > unshifted.survival[0]
+
+
+def test_declined_drafts_are_explored_so_a_low_offset_recovers():
+    """Drafts declined round after round are never verified, so nothing would show they had
+    become good: every ``explore_every`` declined rounds one verifies the first draft, and the
+    offset, started far too low for drafts that are now always accepted, climbs back."""
+    steep = {1: 10.0, 2: 15.0, 3: 19.0, 4: 23.0, 6: 30.0, 8: 37.0}  # an INT8-like curve
+    conf, snap = np.full(3, 0.5), _snap()
+    for explore, recovers in ((16, True), (0, False)):
+        sched = Scheduler(CostModel(steep, 0.0), WIDTHS, SchedulerConfig(explore_every=explore))
+        sched.offset = -3.0
+        widths = []
+        for _ in range(1000):
+            d = sched.decide(conf, snap)
+            widths.append(d.width)
+            if d.width > 1:
+                sched.observe_acceptance(conf[:d.width - 1], d.width - 1)  # every draft verified is accepted
+        if recovers:
+            first = widths.index(2)
+            assert first == 15 and sched.decisions[first - 1000].mode == "probe"
+            assert "explore" in sched.decisions[first - 1000].reason
+            # learned: the last rounds verify drafts by choice, not by exploring
+            assert sched.offset > 0 and all(d.width > 1 and d.mode == "normal" for d in list(sched.decisions)[-50:])
+        else:
+            assert set(widths) == {1} and sched.offset == -3.0
+    with pytest.raises(ConfigError):
+        SchedulerConfig(explore_every=-1)
