@@ -20,8 +20,6 @@ another model or tokenizer, never silently mixed in.
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +27,8 @@ import numpy as np
 
 from dspark_edge.errors import ExportError
 from dspark_edge.manifest import Manifest, read_manifest
+
+from .atomic import export_command, replacing_file
 
 FORMAT = 1
 KINDS = ("prompt", "copy")  # a training prompt's answer; a copy task's answer
@@ -62,25 +62,13 @@ class Answers:
                 for i in range(len(self))]
 
 
-def _shard_groups(work: Path) -> list[tuple[int, list[Path]]]:
-    from .drafter.data import shard_path
-
-    groups = []
-    for kind, folder in enumerate((work / "data", work / "copy")):
-        paths: list[Path] = []
-        while shard_path(folder, len(paths)).is_file():  # a shard being written has another name
-            paths.append(shard_path(folder, len(paths)))
-        groups.append((kind, paths))
-    return groups
-
-
 def pack_answers(target: Path, work: Path, output: Path, progress=print) -> Path:
     """Write the answers of ``work``'s shards to ``output`` (renamed into place when complete)."""
-    from .ngram_table import _replacing
+    from .drafter.data import shard_sequences, written_shards
 
     manifest = read_manifest(target)
-    groups = _shard_groups(work)
-    if not groups[0][1]:
+    groups = [written_shards(work / "data"), written_shards(work / "copy")]  # in the order of KINDS
+    if not groups[0]:
         raise ExportError(f"{work / 'data'} holds no answer shards; write them with `python -m export train-drafter "
                           f"--target {target} --output DIR --work {work} --steps 1`")
     options = work / "options.json"
@@ -89,14 +77,11 @@ def pack_answers(target: Path, work: Path, output: Path, progress=print) -> Path
         raise ExportError(f"{options} is missing: it records the answers' --max-new-tokens; pack a folder "
                           "written by `python -m export train-drafter`")
     seqs, prompt_lens, kinds = [], [], []
-    for kind, paths in groups:
-        for path in paths:
-            with np.load(path) as shard:  # token ids only: the features stay on disk
-                ids, offsets, plens = shard["tokens"], shard["offsets"], shard["prompt_lens"]
-            for i in range(plens.shape[0]):
-                seqs.append(ids[int(offsets[i]):int(offsets[i + 1])])
-                prompt_lens.append(int(plens[i]))
-                kinds.append(kind)
+    for kind, paths in enumerate(groups):
+        for ids, plen in shard_sequences(paths):
+            seqs.append(ids)
+            prompt_lens.append(plen)
+            kinds.append(kind)
     vocab = manifest.model.vocab_size
     dtype = np.uint16 if vocab <= 2**16 else np.int32
     tokens = np.concatenate(seqs).astype(dtype)
@@ -104,9 +89,8 @@ def pack_answers(target: Path, work: Path, output: Path, progress=print) -> Path
     counts = {k: kinds.count(i) for i, k in enumerate(KINDS)}
     meta = {"format": FORMAT, "model": manifest.model.name, "source_sha256": manifest.model.source_sha256,
             "tokenizer_sha256": manifest.file_entry(manifest.tokenizer.file).sha256, "max_new_tokens": int(max_new),
-            "answers": counts, "answer_tokens": answer_tokens, "work": str(work),
-            "command": ("python -m export " + " ".join(shlex.quote(a) for a in sys.argv[1:])) if sys.argv[1:] else ""}
-    with _replacing(output) as tmp:
+            "answers": counts, "answer_tokens": answer_tokens, "work": str(work), "command": export_command()}
+    with replacing_file(output) as tmp:
         np.savez_compressed(tmp, meta=np.asarray(json.dumps(meta, sort_keys=True)), tokens=tokens,
                             offsets=np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64),
                             prompt_lens=np.asarray(prompt_lens, dtype=np.int32), kinds=np.asarray(kinds, dtype=np.int8))

@@ -12,7 +12,9 @@ import contextlib
 import errno
 import logging
 import os
+import shlex
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,3 +74,24 @@ def publish(stage: Path, output: Path) -> None:
     os.replace(stage, output)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def replacing_file(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path``, renamed onto it when the block succeeds and removed
+    otherwise: ``path`` is either the old file or the complete new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}.npz")  # .npz: savez keeps the name as is
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as exc:  # disk full, permissions: say so; what was there stays
+        raise ExportError(f"writing {path} failed ({exc}); {path} is unchanged") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def export_command() -> str:
+    """The ``python -m export ...`` command line of this process, for a file's metadata ("" when
+    the exporter was called as a library)."""
+    return ("python -m export " + " ".join(shlex.quote(a) for a in sys.argv[1:])) if sys.argv[1:] else ""

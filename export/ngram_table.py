@@ -13,14 +13,10 @@ checking it belongs to the engine's tokenizer.
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import json
-import os
-import shlex
 import shutil
-import sys
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +24,8 @@ import numpy as np
 from dspark_edge.drafters.ngram_table import FILE_NAME, FORMAT, NgramTable, context_key
 from dspark_edge.errors import ExportError
 from dspark_edge.manifest import read_manifest
+
+from .atomic import export_command, replacing_file
 
 
 def count_continuations(sequences, max_n: int) -> dict[int, dict[tuple[int, ...], Counter]]:
@@ -158,52 +156,19 @@ def fit_calibration(sequences, max_n: int, hold_every: int = 8, progress=print) 
 
 
 def _answer_sequences(work: Path, prompts: int | None):
-    from .drafter.data import answer_shards, shard_path
+    from .drafter.data import answer_shards, shard_sequences, written_shards
 
     data_dir = work / "data"
     if not data_dir.is_dir():
         raise ExportError(f"{work} holds no answer shards ({data_dir} is missing); write them with "
                           f"`python -m export train-drafter --target ENGINE --output DIR --work {work} --steps 1`")
-    def written(folder: Path) -> list[Path]:
-        # shard-00000.npz, shard-00001.npz … as far as they go (a shard being written has
-        # another name until it is complete)
-        out: list[Path] = []
-        while shard_path(folder, len(out)).is_file():
-            out.append(shard_path(folder, len(out)))
-        return out
-
-    paths = written(data_dir) if prompts is None else answer_shards(work, prompts)
+    paths = written_shards(data_dir) if prompts is None else answer_shards(work, prompts)
     if not paths:
         raise ExportError(f"{data_dir} holds no answer shards (shard-00000.npz …)")
-    copy = written(work / "copy")
-    seqs, answers, tokens = [], 0, 0
-    for group in (paths, copy):
-        for path in group:
-            with np.load(path) as shard:  # the tokens only: the features stay on disk
-                ids, offsets, prompt_lens = shard["tokens"], shard["offsets"], shard["prompt_lens"]
-            for i in range(prompt_lens.shape[0]):
-                if group is paths and prompts is not None and answers >= prompts:
-                    break
-                a, b, p = int(offsets[i]), int(offsets[i + 1]), int(prompt_lens[i])
-                seqs.append((ids[a:b], p))
-                answers += 1
-                tokens += b - a - p
-    return seqs, answers, tokens, len(paths), len(copy)
-
-
-@contextlib.contextmanager
-def _replacing(path: Path) -> Iterator[Path]:
-    """A temporary path beside ``path``, renamed onto it when the block succeeds and removed
-    otherwise: ``path`` is either the old file or the complete new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}.npz")  # .npz: savez keeps the name as is
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        yield tmp
-        os.replace(tmp, path)
-    except OSError as exc:  # disk full, permissions: say so; what was there stays
-        raise ExportError(f"writing {path} failed ({exc}); {path} is unchanged") from exc
-    finally:
-        tmp.unlink(missing_ok=True)
+    copy = written_shards(work / "copy")
+    seqs = list(itertools.islice(shard_sequences(paths), prompts)) + list(shard_sequences(copy))
+    tokens = sum(len(ids) - p for ids, p in seqs)
+    return seqs, len(seqs), tokens, len(paths), len(copy)
 
 
 def build_table(target: Path, work: Path | None, prompts: int | None = None, max_n: int = 4, output: Path | None = None,
@@ -239,9 +204,9 @@ def build_table(target: Path, work: Path | None, prompts: int | None = None, max
             "tokenizer_sha256": tok_sha, "source_sha256": manifest.model.source_sha256, "model": manifest.model.name,
             "answers": n_answers, "answer_tokens": tokens, "work": str(work if answers is None else answers),
             "calibration": calibration,
-            "command": ("python -m export " + " ".join(shlex.quote(a) for a in sys.argv[1:])) if sys.argv[1:] else ""}
+            "command": export_command()}
     out = output or target / FILE_NAME
-    with _replacing(out) as tmp:
+    with replacing_file(out) as tmp:
         np.savez_compressed(tmp, meta=np.asarray(json.dumps(meta, sort_keys=True)), **arrays)
     progress(f"[{steps}/{steps}] wrote {out}: {sum(entries.values())} contexts ({', '.join(f'{n}: {e}' for n, e in entries.items())}), "
              f"{out.stat().st_size / 1e6:.1f} MB")
@@ -255,7 +220,7 @@ def install_table(target: Path, source: Path, progress=print) -> Path:
         raise ExportError(f"{source} does not exist; build a table with `python -m export ngram-table --work WORK`")
     table = NgramTable.load_for(source, manifest)
     out = target / FILE_NAME
-    with _replacing(out) as tmp:
+    with replacing_file(out) as tmp:
         shutil.copyfile(source, tmp)
     progress(f"installed {source} into {out}: {table.entries} contexts from {table.meta.get('answers')} answers")
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,25 @@ class Sequences:
 
 def shard_path(folder: Path, index: int) -> Path:
     return folder / f"shard-{index:05d}.npz"
+
+
+def written_shards(folder: Path) -> list[Path]:
+    """shard-00000.npz, shard-00001.npz … as far as they go in ``folder`` (a shard being written
+    has another name until it is complete)."""
+    out: list[Path] = []
+    while shard_path(folder, len(out)).is_file():
+        out.append(shard_path(folder, len(out)))
+    return out
+
+
+def shard_sequences(paths: list[Path]) -> Iterator[tuple[np.ndarray, int]]:
+    """(prompt + answer ids, prompt length) of every sequence in these shards, in order, reading
+    the token ids only (the features stay on disk)."""
+    for path in paths:
+        with np.load(path) as shard:
+            ids, offsets, prompt_lens = shard["tokens"], shard["offsets"], shard["prompt_lens"]
+        for i in range(prompt_lens.shape[0]):
+            yield ids[int(offsets[i]):int(offsets[i + 1])], int(prompt_lens[i])
 
 
 def generate_answers(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int,
