@@ -186,18 +186,8 @@ def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512
         for depth in contexts:
             cache.reset()
             model.prefill(cache, rng.integers(10, manifest.model.vocab_size, depth).astype(np.int64))
-            # Widths interleaved, one pass each per repeat: a drift of the machine's speed (boost
-            # clocks, a neighbour's load) lands on every width alike instead of on whichever
-            # width was being timed when it came, which bends the curve the scheduler reads.
             ids = {w: rng.integers(10, manifest.model.vocab_size, w).astype(np.int64) for w in model.widths}
-            ms: dict[int, list[float]] = {w: [] for w in model.widths}
-            for rep in range(warmup + reps):
-                for w in model.widths:
-                    t0 = time.perf_counter()
-                    model.step(cache, ids[w])
-                    if rep >= warmup:
-                        ms[w].append((time.perf_counter() - t0) * 1e3)
-                note()
+            ms = _interleaved_ms(model, cache, ids.__getitem__, warmup, reps, after_repeat=note)
             for w in model.widths:
                 timings.append(Timing("target", precision, w, depth, statistics.median(ms[w]),
                                       float(np.percentile(ms[w], 90))))
@@ -246,15 +236,27 @@ def verify_curve_ms(model, depth: int = 128, repeats: int = 3, warmup: int = 2, 
     cache = model.new_cache()
     vocab = model.manifest.model.vocab_size
     model.prefill(cache, rng.integers(0, vocab, size=depth, dtype=np.int64))
+    times = _interleaved_ms(model, cache, lambda w: rng.integers(0, vocab, size=w, dtype=np.int64), warmup, repeats)
+    return {w: statistics.median(v) for w, v in times.items()}
+
+
+def _interleaved_ms(model, cache, ids, warmup: int, repeats: int, after_repeat=None) -> dict[int, list[float]]:
+    """ms of each of ``repeats`` target passes per listed width (``ids(w)``: the w tokens of a
+    pass), after ``warmup`` untimed rounds. Widths are interleaved, one pass each per repeat: a
+    drift of the machine's speed (boost clocks, a neighbour's load) lands on every width alike
+    instead of on whichever width was being timed when it came, which would bend the curve the
+    scheduler reads. ``after_repeat()`` runs after every round, outside the timing."""
     times: dict[int, list[float]] = {w: [] for w in model.widths}
     for rep in range(warmup + repeats):
         for w in model.widths:
-            ids = rng.integers(0, vocab, size=w, dtype=np.int64)
+            step_ids = ids(w)
             t0 = time.perf_counter()
-            model.step(cache, ids)
+            model.step(cache, step_ids)
             if rep >= warmup:
                 times[w].append((time.perf_counter() - t0) * 1e3)
-    return {w: statistics.median(v) for w, v in times.items()}
+        if after_repeat is not None:
+            after_repeat()
+    return times
 
 
 def quick_verify_ms(model, context: int = 128) -> dict[int, float]:
