@@ -124,7 +124,7 @@ def load_answers(path: Path, manifest: Manifest, max_new_tokens: int | None = No
     if max_new_tokens is not None and meta.get("max_new_tokens") != max_new_tokens:
         raise ExportError(f"{path} holds answers capped at {meta.get('max_new_tokens')} tokens, not "
                           f"--max-new-tokens {max_new_tokens}; pass --max-new-tokens {meta.get('max_new_tokens')} "
-                          "or --answers none")
+                          "or leave out --answers")
     n = answers.prompt_lens.shape[0]
     if answers.offsets.shape != (n + 1,) or answers.kinds.shape != (n,) or int(answers.offsets[-1]) != answers.tokens.size:
         raise ExportError(f"{path}: its arrays disagree (the file is damaged); pack it again")

@@ -53,7 +53,7 @@ def test_pack_and_load_keep_every_answer_in_order(engine_copy, tmp_path):
 def test_answers_of_another_model_or_cap_are_refused(engine_copy, tmp_path):
     out = pack_answers(engine_copy, _work(tmp_path), tmp_path / "a.npz", progress=lambda m: None)
     manifest = read_manifest(engine_copy)
-    with pytest.raises(ExportError, match="capped at 192 tokens.*--max-new-tokens 192"):
+    with pytest.raises(ExportError, match="capped at 192 tokens.*--max-new-tokens 192 or leave out --answers"):
         load_answers(out, manifest, max_new_tokens=64)
     with np.load(out) as f:
         arrays = {k: f[k] for k in f.files}
@@ -116,3 +116,13 @@ def test_train_drafter_shards_reuse_recorded_answers(tmp_path, monkeypatch):
     assert generated == [[1, ord("a"), ord("b")], [1, ord("d"), ord("e")]]  # only the prompts not recorded
     seqs = written["shard-00000.npz"]
     assert [a for _, a in seqs] == [[53, 2], [77, 78, 2], [53, 2]]  # in prompt order
+
+
+def test_train_drafter_checks_the_answers_file_before_touching_anything(tiny_engine, tmp_path, capsys):
+    from export.__main__ import main
+
+    work = tmp_path / "work"
+    assert main(["train-drafter", "--target", str(tiny_engine), "--output", str(tmp_path / "out"), "--work", str(work),
+                 "--answers", str(tmp_path / "none.npz"), "--steps", "1"]) == 2
+    assert "none.npz does not exist" in capsys.readouterr().err
+    assert not work.exists() and not (tmp_path / "out").exists()

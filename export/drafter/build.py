@@ -145,6 +145,11 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
         raise ExportError(f"{opts.target_engine} exposes no hidden states; re-export it with --hidden-layers")
     if "fp32" not in manifest.precisions():
         raise ExportError(f"{opts.target_engine} has no fp32 target; the drafter learns from the FP32 target")
+    known = None  # recorded answers by prompt ids: checked before anything is loaded or written
+    if opts.answers is not None:
+        from ..answers import load_answers
+
+        known = load_answers(opts.answers, manifest, opts.max_new_tokens).by_prompt()
     opts.work.mkdir(parents=True, exist_ok=True)
     (opts.work / "options.json").write_text(json.dumps({k: str(v) for k, v in asdict(opts).items()}, indent=2))
     source = resolve_source(opts.source)
@@ -155,11 +160,6 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
         raise ExportError(f"--draft-vocab {opts.draft_vocab} exceeds the target's vocabulary ({manifest.model.vocab_size})")
     if opts.prompts > len(prompts):
         raise ExportError(f"--prompts {opts.prompts} exceeds the {len(prompts)} training prompts")
-    known = None
-    if opts.answers is not None:
-        from ..answers import load_answers
-
-        known = load_answers(opts.answers, manifest, opts.max_new_tokens).by_prompt()
     progress(f"[2/4] target answers and features for {opts.prompts} prompts (resumable"
              + (f"; {len(known)} recorded answers in {opts.answers} are reused" if known is not None else "") + ")")
     decoder = DecoderModel(manifest, opts.target_engine, "fp32")
