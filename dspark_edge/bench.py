@@ -10,6 +10,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 
 from .config import GenerationConfig
 from .errors import ConfigError
@@ -78,40 +79,55 @@ def verify_cost_curve(target: DecoderModel, depth: int = 128, repeats: int = 15,
 
 
 def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str, object, dict]],
-                  max_new_tokens: int = 128, progress=None) -> dict:
+                  max_new_tokens: int = 128, progress=None, passes: int = 1, seed: int = 0) -> dict:
     """Interleaved comparison: for each prompt, every variant (name, drafter, config overrides)
-    runs back to back, greedy, exactly ``max_new_tokens`` tokens. The first variant is the
-    baseline: speedups are relative to it, and ``exact`` counts prompts whose tokens equal it.
-    Plain decoding (drafter None) runs on the same target session as the speculative variants,
-    whose options a drafter leaves as they are (``load`` only changes the drafter's own)."""
+    runs back to back, greedy, exactly ``max_new_tokens`` tokens, ``passes`` times over the
+    prompt set. The first variant is the baseline: speedups are relative to it, and ``exact``
+    counts runs whose tokens equal its tokens for the same prompt. With several passes the
+    variants run in a new random order at every prompt (``seed``), so that none always runs
+    right after the same other one, and every ratio comes with a 95 % bootstrap interval over
+    the prompts (``paired``). Plain decoding (drafter None) runs on the same target session as
+    the speculative variants, whose options a drafter leaves as they are (``load`` only changes
+    the drafter's own)."""
+    if passes < 1:
+        raise ConfigError(f"passes must be at least 1, got {passes}")
     base_cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
     rows: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
     warm = prompts[0].get("messages") or prompts[0]["prompt"]
+    order_rng = np.random.default_rng(seed)
+
     def run(drafter, prompt, overrides):
         pipe.drafter = drafter
         return pipe.generate(prompt, base_cfg, **overrides)
 
     for _, drafter, overrides in variants:
         run(drafter, warm, overrides)
-    for i, rec in enumerate(prompts):
-        prompt = rec.get("messages") or rec["prompt"]
-        baseline = None
-        for name, drafter, overrides in variants:
-            r = run(drafter, prompt, overrides)
-            baseline = baseline or r.token_ids
-            s = r.stats
-            rows[name].append({"id": rec["id"], "category": rec["category"], "tokens_per_s": s.tokens_per_s,
-                               "decode_s": s.decode_s, "new_tokens": s.new_tokens, "rounds": s.rounds,
-                               "draft_n": s.draft_n, "draft_n_accepted": s.draft_n_accepted,
-                               "hist": dict(s.accept_length_hist), "widths": dict(s.widths),
-                               "exact": r.token_ids == baseline})
-        if progress:
-            progress(i + 1, len(prompts), {n: rows[n][-1]["tokens_per_s"] for n in rows})
+    done = 0
+    for pass_index in range(passes):
+        for rec in prompts:
+            prompt = rec.get("messages") or rec["prompt"]
+            order = list(range(len(variants))) if passes == 1 else list(order_rng.permutation(len(variants)))
+            tokens: dict[str, tuple[int, ...]] = {}
+            for v in order:
+                name, drafter, overrides = variants[v]
+                r = run(drafter, prompt, overrides)
+                tokens[name] = r.token_ids
+                s = r.stats
+                rows[name].append({"id": rec["id"], "category": rec["category"], "pass": pass_index,
+                                   "tokens_per_s": s.tokens_per_s, "decode_s": s.decode_s,
+                                   "new_tokens": s.new_tokens, "rounds": s.rounds, "draft_n": s.draft_n,
+                                   "draft_n_accepted": s.draft_n_accepted, "hist": dict(s.accept_length_hist),
+                                   "widths": dict(s.widths)})
+            baseline = tokens[variants[0][0]]
+            for name in tokens:
+                rows[name][-1]["exact"] = tokens[name] == baseline
+            done += 1
+            if progress:
+                progress(done, passes * len(prompts), {n: rows[n][-1]["tokens_per_s"] for n in rows})
     summary = {}
     base_rate = None
     for name, rs in rows.items():
-        tokens = sum(r["new_tokens"] - 1 for r in rs)
-        rate = tokens / sum(r["decode_s"] for r in rs)
+        rate = _rate(rs)
         base_rate = base_rate or rate
         drafted = sum(r["draft_n"] for r in rs)
         accepted = sum(r["draft_n_accepted"] for r in rs)
@@ -138,4 +154,61 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
             "tokens_per_s_by_category": {c: round(statistics.mean(v), 2) for c, v in per_cat.items()},
         }
     pipe.drafter = None
-    return {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "variants": summary}
+    report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "passes": passes, "variants": summary}
+    if passes > 1 or len(prompts) > 1:
+        report["paired"] = paired_comparison(rows, variants, seed=seed)
+    return report
+
+
+def _rate(rows: list[dict]) -> float:
+    """Decode tokens per second over these runs (the first token of each comes from the prefill)."""
+    return sum(r["new_tokens"] - 1 for r in rows) / sum(r["decode_s"] for r in rows)
+
+
+def ratio_interval(rows_a: list[dict], rows_b: list[dict], resamples: int = 2000, seed: int = 0) -> dict:
+    """Decode rate of runs ``a`` over that of runs ``b``, which cover the same prompts, with a 95 %
+    bootstrap interval: the prompts are drawn with replacement (each with all its passes), so the
+    interval shows how much the ratio depends on which prompts were measured and on the run's noise
+    at each of them."""
+    ids = sorted({r["id"] for r in rows_a})
+    index = {p: i for i, p in enumerate(ids)}
+    n = len(ids)
+
+    def sums(rows):
+        tok, sec = np.zeros(n), np.zeros(n)
+        for r in rows:
+            tok[index[r["id"]]] += r["new_tokens"] - 1
+            sec[index[r["id"]]] += r["decode_s"]
+        return tok, sec
+
+    (ta, sa), (tb, sb) = sums(rows_a), sums(rows_b)
+    ratio = (ta.sum() / sa.sum()) / (tb.sum() / sb.sum())
+    draws = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    boot = (ta[draws].sum(1) / sa[draws].sum(1)) / (tb[draws].sum(1) / sb[draws].sum(1))
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return {"ratio": round(float(ratio), 4), "ci95": [round(float(lo), 4), round(float(hi), 4)], "prompts": n}
+
+
+def paired_comparison(rows: dict[str, list[dict]], variants: list[tuple[str, object, dict]], seed: int = 0) -> dict:
+    """Every variant against the baseline (the first), and every scheduled variant (no fixed
+    ``draft_tokens``) of a drafter against that drafter's best fixed length: over the whole set
+    (the length with the highest rate) and in each category (the best length there), each a
+    ratio with its 95 % interval."""
+    base = variants[0][0]
+    out: dict = {"vs_" + base: {name: ratio_interval(rows[name], rows[base], seed=seed)
+                                for name, _, _ in variants[1:]}}
+    for name, drafter, overrides in variants:
+        if drafter is None or "draft_tokens" in overrides:
+            continue
+        fixed = [n for n, d, o in variants if d is drafter and "draft_tokens" in o]
+        if not fixed:
+            continue
+        best = max(fixed, key=lambda n: _rate(rows[n]))
+        entry = {"best_fixed": best, "overall": ratio_interval(rows[name], rows[best], seed=seed), "by_category": {}}
+        for cat in sorted({r["category"] for r in rows[name]}):
+            pick = {n: [r for r in rows[n] if r["category"] == cat] for n in [name, *fixed]}
+            best_here = max(fixed, key=lambda n: _rate(pick[n]))
+            entry["by_category"][cat] = {"best_fixed": best_here,
+                                         **ratio_interval(pick[name], pick[best_here], seed=seed)}
+        out[f"{name} vs best fixed"] = entry
+    return out

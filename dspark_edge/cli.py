@@ -210,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "scheduler ('auto') and fixed at every listed draft length")
     b.add_argument("--draft-tokens", default=None,
                    help="comma-separated draft lengths to compare (default: every listed width - 1)")
+    b.add_argument("--passes", type=int, default=1,
+                   help="with --drafter: passes over the prompt set, the variants in a new random order at every "
+                        "prompt; each ratio then comes with a 95%% bootstrap interval over the prompts "
+                        "(default: %(default)s)")
     b.add_argument("--json", action="store_true",
                    help="accepted for symmetry: bench always prints its report as JSON on stdout (progress on stderr)")
 
@@ -337,8 +341,12 @@ def cmd_bench(args) -> int:
         raise ConfigError(f"--drafter {args.drafter!r} names no drafter")
     if len(set(specs)) != len(specs):
         raise ConfigError(f"--drafter lists a drafter twice: {args.drafter!r}")
+    if args.passes < 1:
+        raise ConfigError(f"--passes must be at least 1, got {args.passes}")
+    if args.passes > 1 and not specs:
+        raise ConfigError("--passes repeats a comparison: give --drafter as well")
     pipe = _load(args, drafter=specs[0] if specs else None)
-    bar = _Progress("bench", len(prompts))
+    bar = _Progress("bench", len(prompts) * args.passes)
 
     def progress(done, total, row):
         bar.update(done, f"{row['id']}: {row['tokens_per_s']} tok/s")
@@ -366,7 +374,9 @@ def cmd_bench(args) -> int:
         def progress_cmp(done, total, rates):
             bar.update(done, ", ".join(f"{n}: {v:.1f}" for n, v in rates.items()))
 
-        report["comparison"] = bench_compare(pipe, prompts, variants, args.max_new_tokens, progress=progress_cmp)
+        report["comparison"] = bench_compare(pipe, prompts, variants, args.max_new_tokens, progress=progress_cmp,
+                                             passes=args.passes)
+        _print_paired(report["comparison"].get("paired", {}))
     else:
         report["generation"] = bench_generation(pipe, prompts, args.max_new_tokens, progress=progress)
     bar.close()
@@ -374,6 +384,21 @@ def cmd_bench(args) -> int:
     report["verify_cost"] = verify_cost_curve(pipe.target, depth=args.depth, repeats=args.repeats)
     print(json.dumps(report, indent=2))
     return 0
+
+
+def _print_paired(paired: dict) -> None:
+    """The comparison's ratios with their intervals, one line each, on stderr."""
+    for key, entry in paired.items():
+        if key.startswith("vs_"):
+            for name, r in entry.items():
+                print(f"[bench] {name} / {key[3:]}: {r['ratio']:.3f} (95% {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f})",
+                      file=sys.stderr, flush=True)
+        else:
+            r = entry["overall"]
+            cats = ", ".join(f"{c} {v['ratio']:.3f} ({v['ci95'][0]:.3f}-{v['ci95'][1]:.3f}) vs {v['best_fixed']}"
+                             for c, v in entry["by_category"].items())
+            print(f"[bench] {key} ({entry['best_fixed']}): {r['ratio']:.3f} (95% {r['ci95'][0]:.3f}-"
+                  f"{r['ci95'][1]:.3f}); by category: {cats}", file=sys.stderr, flush=True)
 
 
 class _Progress:

@@ -73,6 +73,22 @@ def test_bench_prints_measurements(tiny_engine):
     assert variants["ngram k=3"]["exact_prompts"] == "1/1"
 
 
+def test_bench_passes_shuffle_variants_and_give_intervals(tiny_engine):
+    c = run("bench", "--engine", str(tiny_engine), "--limit", "2", "--max-new-tokens", "8", "--repeats", "2",
+            "--depth", "16", "--drafter", "ngram", "--draft-tokens", "1,3", "--passes", "2")
+    assert c.returncode == 0, c.stderr
+    comp = json.loads(c.stdout)["comparison"]
+    assert comp["passes"] == 2
+    assert all(v["exact_prompts"] == "4/4" for v in comp["variants"].values())
+    vs = comp["paired"]["ngram auto vs best fixed"]
+    assert vs["best_fixed"] in ("ngram k=1", "ngram k=3")
+    lo, hi = vs["overall"]["ci95"]
+    assert lo <= vs["overall"]["ratio"] <= hi
+    assert "ngram auto vs best fixed" in c.stderr  # the ratios, readable, beside the JSON
+    bad = run("bench", "--engine", str(tiny_engine), "--limit", "1", "--passes", "2")
+    assert bad.returncode == 2 and "--drafter" in bad.stderr
+
+
 def test_bench_compares_several_drafters_in_one_run(tiny_engine, tiny_draft_self):
     c = run("bench", "--engine", str(tiny_engine), "--limit", "1", "--max-new-tokens", "8", "--repeats", "2",
             "--depth", "16", "--drafter", f"ngram:prompt,{tiny_draft_self}", "--draft-tokens", "2")

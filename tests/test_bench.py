@@ -1,0 +1,64 @@
+"""The benchmark's paired ratios: bootstrap intervals over prompts and the scheduled variant
+against the best fixed length, overall and per category."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_edge.bench import paired_comparison, ratio_interval
+
+
+def row(pid, cat, tokens_per_s, pass_index=0, new_tokens=65):
+    return {"id": pid, "category": cat, "pass": pass_index, "new_tokens": new_tokens,
+            "decode_s": (new_tokens - 1) / tokens_per_s}
+
+
+def test_ratio_is_exact_when_every_prompt_agrees():
+    a = [row(f"p{i}", "x", 20.0 * (1 + i)) for i in range(6)]
+    b = [row(f"p{i}", "x", 20.0 * (1 + i) / 1.1) for i in range(6)]
+    r = ratio_interval(a, b)
+    assert r["ratio"] == pytest.approx(1.1, abs=1e-4)
+    assert r["ci95"] == pytest.approx([1.1, 1.1], abs=1e-4)
+    assert r["prompts"] == 6
+
+
+def test_interval_widens_with_disagreeing_prompts_and_holds_the_ratio():
+    speed = [1.4, 0.8, 1.3, 0.9, 1.2, 0.85, 1.35, 0.95]
+    a = [row(f"p{i}", "x", 30.0 * s) for i, s in enumerate(speed)]
+    b = [row(f"p{i}", "x", 30.0) for i in range(len(speed))]
+    r = ratio_interval(a, b)
+    lo, hi = r["ci95"]
+    assert lo < r["ratio"] < hi
+    assert hi - lo > 0.1  # prompts that disagree this much cannot pin the ratio to a few percent
+    assert r == ratio_interval(a, b)  # the resampling is seeded
+
+
+def test_passes_of_one_prompt_are_resampled_together():
+    a = [row("p0", "x", 10.0, 0), row("p0", "x", 30.0, 1), row("p1", "x", 20.0, 0), row("p1", "x", 20.0, 1)]
+    b = [row("p0", "x", 20.0, 0), row("p0", "x", 20.0, 1), row("p1", "x", 20.0, 0), row("p1", "x", 20.0, 1)]
+    r = ratio_interval(a, b)
+    assert r["prompts"] == 2
+    # decode rate over both passes of p0: 128 tokens in 6.4 + 2.13 s, against 128 in 6.4 s for b
+    assert r["ratio"] == pytest.approx((256 / (6.4 + 6.4 / 3 + 3.2 + 3.2)) / (256 / 12.8), abs=1e-4)
+
+
+def test_scheduled_variant_is_compared_with_the_best_fixed_length_per_category():
+    drafter = object()
+    variants = [("plain", None, {}), ("d auto", drafter, {}), ("d k=1", drafter, {"draft_tokens": 1}),
+                ("d k=2", drafter, {"draft_tokens": 2})]
+    rates = {  # category code: k=2 is best; category chat: k=1 is best
+        "plain": {"code": 20, "chat": 20}, "d auto": {"code": 27, "chat": 25},
+        "d k=1": {"code": 24, "chat": 26}, "d k=2": {"code": 30, "chat": 22}}
+    rows = {name: [row(f"{cat}-{i}", cat, rate) for cat, rate in by_cat.items() for i in range(3)]
+            for name, by_cat in rates.items()}
+    out = paired_comparison(rows, variants)
+    assert set(out["vs_plain"]) == {"d auto", "d k=1", "d k=2"}
+    assert out["vs_plain"]["d k=2"]["ratio"] == pytest.approx(
+        (6 * 64 / (3 * 64 / 30 + 3 * 64 / 22)) / 20, abs=1e-4)
+    entry = out["d auto vs best fixed"]
+    assert entry["best_fixed"] == "d k=2"  # the higher rate over the whole set
+    assert entry["by_category"]["code"]["best_fixed"] == "d k=2"
+    assert entry["by_category"]["code"]["ratio"] == pytest.approx(0.9, abs=1e-4)
+    assert entry["by_category"]["chat"]["best_fixed"] == "d k=1"
+    assert entry["by_category"]["chat"]["ratio"] == pytest.approx(25 / 26, abs=1e-4)
+    assert "d k=1 vs best fixed" not in out  # fixed lengths are not scheduled variants
