@@ -191,17 +191,19 @@ def ratio_interval(rows_a: list[dict], rows_b: list[dict], resamples: int = 2000
 
 def paired_comparison(rows: dict[str, list[dict]], variants: list[tuple[str, object, dict]], seed: int = 0) -> dict:
     """Every variant against the baseline (the first), and every scheduled variant (no fixed
-    ``draft_tokens``) of a drafter against that drafter's best fixed length: over the whole set
-    (the length with the highest rate) and in each category (the best length there), each a
-    ratio with its 95 % interval."""
+    ``draft_tokens``) of a drafter against that drafter's best fixed width: over the whole set
+    (the width with the highest rate) and in each category (the best width there), each a
+    ratio with its 95 % interval. Plain decoding, when it is the baseline, is width 1 and
+    counts among the fixed widths (where drafting does not pay, it is the one to beat)."""
     base = variants[0][0]
     out: dict = {"vs_" + base: {name: ratio_interval(rows[name], rows[base], seed=seed)
                                 for name, _, _ in variants[1:]}}
+    plain = [base] if variants[0][1] is None else []
     for name, drafter, overrides in variants:
         if drafter is None or "draft_tokens" in overrides:
             continue
-        fixed = [n for n, d, o in variants if d is drafter and "draft_tokens" in o]
-        if not fixed:
+        fixed = [n for n, d, o in variants if d is drafter and "draft_tokens" in o] + plain
+        if len(fixed) == len(plain):
             continue
         best = max(fixed, key=lambda n: _rate(rows[n]))
         entry = {"best_fixed": best, "overall": ratio_interval(rows[name], rows[best], seed=seed), "by_category": {}}

@@ -62,3 +62,15 @@ def test_scheduled_variant_is_compared_with_the_best_fixed_length_per_category()
     assert entry["by_category"]["chat"]["best_fixed"] == "d k=1"
     assert entry["by_category"]["chat"]["ratio"] == pytest.approx(25 / 26, abs=1e-4)
     assert "d k=1 vs best fixed" not in out  # fixed lengths are not scheduled variants
+
+
+def test_plain_decoding_is_the_fixed_width_to_beat_where_drafting_does_not_pay():
+    drafter = object()
+    variants = [("plain", None, {}), ("d auto", drafter, {}), ("d k=1", drafter, {"draft_tokens": 1})]
+    rates = {"plain": {"qa": 30, "math": 20}, "d auto": {"qa": 29, "math": 24}, "d k=1": {"qa": 25, "math": 26}}
+    rows = {name: [row(f"{cat}-{i}", cat, rate) for cat, rate in by_cat.items() for i in range(2)]
+            for name, by_cat in rates.items()}
+    entry = paired_comparison(rows, variants)["d auto vs best fixed"]
+    assert entry["by_category"]["qa"]["best_fixed"] == "plain"
+    assert entry["by_category"]["qa"]["ratio"] == pytest.approx(29 / 30, abs=1e-4)
+    assert entry["by_category"]["math"]["best_fixed"] == "d k=1"
