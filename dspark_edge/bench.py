@@ -6,6 +6,7 @@ prompts), since timings on a shared machine drift.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from pathlib import Path
@@ -88,7 +89,9 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
     right after the same other one, and every ratio comes with a 95 % bootstrap interval over
     the prompts (``paired``). Plain decoding (drafter None) runs on the same target session as
     the speculative variants, whose options a drafter leaves as they are (``load`` only changes
-    the drafter's own)."""
+    the drafter's own). Each drafter's scheduled variant keeps a scheduler of its own, started
+    from the pipeline's: a shared one would carry one drafter's drafting cost, acceptance offset
+    and gate into the other's rounds."""
     if passes < 1:
         raise ConfigError(f"passes must be at least 1, got {passes}")
     base_cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
@@ -96,8 +99,13 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
     warm = prompts[0].get("messages") or prompts[0]["prompt"]
     order_rng = np.random.default_rng(seed)
 
+    initial = pipe.scheduler
+    schedulers = {id(d): copy.deepcopy(initial) for _, d, _ in variants if d is not None and initial is not None}
+
     def run(drafter, prompt, overrides):
         pipe.drafter = drafter
+        if drafter is not None and initial is not None:
+            pipe.scheduler = schedulers[id(drafter)]
         return pipe.generate(prompt, base_cfg, **overrides)
 
     for _, drafter, overrides in variants:
@@ -153,7 +161,12 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
             "exact_prompts": f"{sum(r['exact'] for r in rs)}/{len(rs)}",
             "tokens_per_s_by_category": {c: round(statistics.mean(v), 2) for c, v in per_cat.items()},
         }
-    pipe.drafter = None
+    pipe.drafter, pipe.scheduler = None, initial
+    for name, drafter, overrides in variants:
+        if drafter is not None and initial is not None and "draft_tokens" not in overrides:
+            sched = schedulers[id(drafter)]
+            summary[name]["scheduler"] = {"draft_ms": round(sched.costs.draft_ms, 3),
+                                          "confidence_offset": round(sched.offset, 3), "gated": sched.gated}
     report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "passes": passes, "variants": summary}
     if passes > 1 or len(prompts) > 1:
         report["paired"] = paired_comparison(rows, variants, seed=seed)

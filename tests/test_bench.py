@@ -74,3 +74,51 @@ def test_plain_decoding_is_the_fixed_width_to_beat_where_drafting_does_not_pay()
     assert entry["by_category"]["qa"]["best_fixed"] == "plain"
     assert entry["by_category"]["qa"]["ratio"] == pytest.approx(29 / 30, abs=1e-4)
     assert entry["by_category"]["math"]["best_fixed"] == "d k=1"
+
+
+class _Stats:
+    def __init__(self, rounds):
+        self.tokens_per_s, self.decode_s, self.new_tokens, self.rounds = 50.0, 0.1, 6, rounds
+        self.draft_n = self.draft_n_accepted = 0
+        self.accept_length_hist, self.widths = {}, {"1": rounds}
+
+
+class _Result:
+    def __init__(self, rounds):
+        self.token_ids, self.stats = (1, 2, 3, 4, 5, 6), _Stats(rounds)
+
+
+class _Sched:
+    def __init__(self):
+        self.costs = type("C", (), {"draft_ms": 0.0})()
+        self.offset, self.gated, self.rounds = 0.0, False, 0
+
+
+class _FakePipe:
+    """Records which scheduler each generation ran with."""
+
+    def __init__(self):
+        self.drafter, self.scheduler, self.calls = None, _Sched(), []
+
+    def generate(self, prompt, cfg, **overrides):
+        if self.drafter is not None:  # the pipeline consults its scheduler only with a drafter
+            self.scheduler.rounds += 1
+        self.calls.append((self.drafter, self.scheduler, "draft_tokens" in overrides))
+        return _Result(5)
+
+
+def test_each_drafter_keeps_its_own_scheduler():
+    from dspark_edge.bench import bench_compare
+
+    pipe = _FakePipe()
+    first = pipe.scheduler
+    a, b = object(), object()
+    variants = [("plain", None, {}), ("a auto", a, {}), ("a k=1", a, {"draft_tokens": 1}), ("b auto", b, {})]
+    prompts = [{"id": f"p{i}", "category": "x", "prompt": "hi"} for i in range(3)]
+    report = bench_compare(pipe, prompts, variants, max_new_tokens=6, passes=2)
+    used = {id(d): {id(s) for d2, s, _ in pipe.calls if d2 is d} for d in (a, b)}
+    assert len(used[id(a)]) == 1 and len(used[id(b)]) == 1
+    assert used[id(a)] != used[id(b)] and id(first) not in used[id(a)] | used[id(b)]
+    assert pipe.scheduler is first and first.rounds == 0  # the pipeline's own is left as it was
+    assert set(report["variants"]["a auto"]["scheduler"]) == {"draft_ms", "confidence_offset", "gated"}
+    assert "scheduler" not in report["variants"]["a k=1"]
