@@ -102,10 +102,10 @@ def replay(make_drafter, answers: list[dict], policy, verify_ms: dict[int, float
             ms = verify_ms[len(drafts) + 1] if verify_ms else 0.0
             if sched is not None:
                 sched.observe(len(drafts) + 1, ms)
-                if drafts:
+                if room > 0 and wants:  # as the pipeline's gate: every round that drafted
                     sched.observe_round(acc + 1, ms)
-                    if not observed:
-                        sched.observe_acceptance(np.asarray(conf), acc)
+                if drafts and not observed:
+                    sched.observe_acceptance(np.asarray(conf), acc)
             if drafts:
                 d.feedback(len(drafts), acc, ans[j:j + acc + 1])
             used[len(drafts) + 1] += 1

@@ -102,10 +102,10 @@ def replay(records: list[dict], policy, verify_ms: dict[int, float], widths: tup
             cost = verify_ms[w] + (r["draft_ms"] if drafted else 0.0)
             if not isinstance(policy, (int, type(None))):
                 policy.observe(w, verify_ms[w])
-                if w > 1:  # the pipeline observes rounds that verified drafts
+                if drafted:  # the pipeline's gate counts every round that drafted
                     policy.observe_round(tokens, cost)
-                    if not observed:
-                        policy.observe_acceptance(conf[:w - 1], tokens - 1)
+                if w > 1 and not observed:
+                    policy.observe_acceptance(conf[:w - 1], tokens - 1)
             ms += cost
             j += tokens
         rates.append(j / ms)

@@ -350,6 +350,7 @@ class TextStream:
                     k_max = min(max_drafts, cfg.max_new_tokens - len(self.token_ids) - 1, cache.free - 1)
                     draft = Draft.empty()
                     draft_ms = 0.0
+                    t_d = None  # when this round's drafting began, if it drafted
                     snap = p.telemetry()
                     wants = sched is None or sched.wants_draft(snap)
                     if sched is not None and sched.memory_low and drafter is not None:
@@ -407,10 +408,12 @@ class TextStream:
                     st.verify_s += verify_ms / 1e3
                     if sched is not None:
                         sched.observe(width, verify_ms)
-                        if len(draft):  # t_d: when this round's drafting began
+                        if t_d is not None:
+                            # Every round that paid for drafting counts toward the gate, also one
+                            # whose drafts were all declined: its token cost a draft and a pass.
                             sched.observe_round(1 + outcome.accepted, (time.perf_counter() - t_d) * 1e3)
-                            if not observed:
-                                sched.observe_acceptance(draft.confidence, outcome.accepted)
+                        if len(draft) and not observed:
+                            sched.observe_acceptance(draft.confidence, outcome.accepted)
                     cache.commit(1 + outcome.accepted)  # the anchor and the accepted drafts
                     if hidden_rows is not None and out.hidden is not None:
                         hidden_rows.append(out.hidden[:1 + outcome.accepted].copy())

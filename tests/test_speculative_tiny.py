@@ -383,3 +383,39 @@ def test_online_offset_corrects_head_confidences_but_not_observed_rates(tiny_eng
     assert r.stats.draft_n > 0
     assert ngram.scheduler.offset == 0.0
     assert all(d.confidence_offset == 0.0 for d in ngram.scheduler.decisions)
+
+
+class _CostlyDeclined(_HiddenRecorder):
+    """Drafting takes time and every draft looks hopeless: the scheduler declines them all."""
+
+    name = "costly-declined"
+    needs_hidden = False
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def propose(self, request, rng):
+        import time
+
+        self.calls += 1
+        time.sleep(0.004)
+        k = min(3, request.max_tokens)
+        return Draft(np.zeros(k, dtype=np.int64), None, np.full(k, 1e-4))
+
+
+def test_declined_drafting_rounds_close_the_gate(plain, tiny_engine):
+    """Rounds whose drafts were all declined still paid for drafting: they count toward the
+    gate, which then stops drafting (probing now and then) instead of paying for drafts that
+    are never verified. The output stays plain's."""
+    from dspark_edge.scheduler import SchedulerConfig
+    from dspark_edge.telemetry import FakeReader
+
+    drafter = _CostlyDeclined()
+    spec = dspark_edge.load(tiny_engine, drafter=drafter, telemetry=FakeReader(),
+                            scheduler=SchedulerConfig(explore_every=0, min_observations=3))
+    r = spec.generate(PROMPTS[0], max_new_tokens=40, ignore_eos=True)
+    assert r.token_ids == plain.generate(PROMPTS[0], max_new_tokens=40, ignore_eos=True).token_ids
+    assert spec.scheduler.gated
+    assert drafter.calls < 15  # 3 rounds to learn, then a probe every 16 rounds
+    assert any("the gate" in d.reason for d in spec.scheduler.decisions)
