@@ -99,12 +99,12 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
     warm = prompts[0].get("messages") or prompts[0]["prompt"]
     order_rng = np.random.default_rng(seed)
 
-    initial = pipe.scheduler
-    schedulers = {id(d): copy.deepcopy(initial) for _, d, _ in variants if d is not None and initial is not None}
+    initial = pipe.scheduler  # None when the pipeline was loaded without one
+    schedulers = {} if initial is None else {id(d): copy.deepcopy(initial) for _, d, _ in variants if d is not None}
 
     def run(drafter, prompt, overrides):
         pipe.drafter = drafter
-        if drafter is not None and initial is not None:
+        if id(drafter) in schedulers:
             pipe.scheduler = schedulers[id(drafter)]
         return pipe.generate(prompt, base_cfg, **overrides)
 
@@ -163,7 +163,7 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
         }
     pipe.drafter, pipe.scheduler = None, initial
     for name, drafter, overrides in variants:
-        if drafter is not None and initial is not None and "draft_tokens" not in overrides:
+        if id(drafter) in schedulers and "draft_tokens" not in overrides:
             sched = schedulers[id(drafter)]
             summary[name]["scheduler"] = {"draft_ms": round(sched.costs.draft_ms, 3),
                                           "confidence_offset": round(sched.offset, 3), "gated": sched.gated}
