@@ -67,6 +67,8 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
                               engine_dir=engine_dir)
 
     pipe = Pipeline(manifest, engine_dir, target, tokenizer, make_drafter())
+    if hasattr(pipe.drafter, "bind_target"):  # refuse a cache it cannot share now, not mid-generation
+        pipe.drafter.bind_target(target, pipe._cache)
     if pipe.drafter is not None and scheduler is not False:
         pipe.enable_scheduler(scheduler if isinstance(scheduler, SchedulerConfig) else SchedulerConfig(),
                               telemetry, make_drafter if isinstance(drafter, (str, Path)) else None)
@@ -317,6 +319,9 @@ class TextStream:
                        else choose(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, rng)]
                 prefill_s = time.perf_counter() - t0
                 if drafter is not None:
+                    bind = getattr(drafter, "bind_target", None)
+                    if bind is not None:  # a drafter that drafts over the target's KV cache
+                        bind(p.target, cache)
                     drafter.begin(committed)
                 while True:
                     done = False
@@ -368,7 +373,8 @@ class TextStream:
                                 hidden_rows.clear()
                             proposal = drafter.propose(DraftRequest(
                                 committed + [pending], k_max, cfg.temperature, cfg.top_k, cfg.top_p, new_hidden,
-                                coupled_seed=seed if coupled else None, position=len(self.token_ids)), rng)
+                                coupled_seed=seed if coupled else None, position=len(self.token_ids),
+                                verify_cost=None if sched is None else sched.costs.verify), rng)
                             _check_draft(proposal, k_max, p.manifest.model.vocab_size)
                             draft, failures = proposal, 0
                         except Exception as exc:  # a drafter must never take the generation down

@@ -200,7 +200,7 @@ class OrtDecoder:
         if missing:
             raise EngineError(f"{path} does not have the inputs/outputs its manifest names: missing "
                               f"{missing[:4]}{'…' if len(missing) > 4 else ''}; re-export the engine folder")
-        kv_type = inputs[io.past_key.format(layer=0)].type
+        kv_type = self._kv_type = inputs[io.past_key.format(layer=0)].type
         self.kv_dtype = {"tensor(float)": np.float32, "tensor(float16)": np.float16}.get(kv_type)
         if self.kv_dtype is None:
             raise EngineError(f"{path}: unsupported KV cache type {kv_type}")
@@ -236,6 +236,32 @@ class OrtDecoder:
                 binding.bind_ortvalue_output(present, value)
             buffers.append(value)
         return OrtKVCache(self.capacity, buffers, binding)
+
+    def view_cache(self, cache: OrtKVCache) -> OrtKVCache:
+        """A cache of this session over another session's cache buffers (same K/V layout, type
+        and device): this graph reads and writes the other's K/V. Its ``length`` is its own;
+        the caller keeps the two consistent."""
+        if not isinstance(cache, OrtKVCache):
+            raise BackendError(f"cannot share a {type(cache).__name__}: only an onnxruntime cache")
+        if self.layout is not None:
+            shape = self.layout.buffer_shape
+        else:
+            shape = (1, self.model.num_kv_heads, self.capacity, self.model.head_dim)
+        mine = (list(shape), self._kv_type, self.device, len(self._kv_names))
+        first = cache.buffers[0]
+        theirs = (list(first.shape()), first.data_type(), first.device_name(), len(cache.buffers))
+        if mine != theirs:
+            raise BackendError(f"{self.path} cannot share this KV cache: its buffers are {theirs[:3]} x "
+                               f"{theirs[3]}, this graph needs {mine[:3]} x {mine[3]} (another K/V type, "
+                               "layout, capacity or device; load both with the same max_context and provider)")
+        binding = self.session.io_binding()
+        if self.layout is None:
+            for (past, present), value in zip(self._kv_names, cache.buffers):
+                binding.bind_ortvalue_input(past, value)
+                binding.bind_ortvalue_output(present, value)
+        view = OrtKVCache(cache.capacity, cache.buffers, binding)
+        view.length = cache.length
+        return view
 
     def _bind_append(self, cache: OrtKVCache, width: int) -> None:
         """Bind past to each buffer's committed prefix and the new K/V right after it."""

@@ -13,17 +13,20 @@ from .ngram_table import NgramTable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AcceptanceTracker", "Draft", "DraftRequest", "Drafter", "NGRAM_SPECS", "NgramDrafter", "NgramTable",
+__all__ = ["AcceptanceTracker", "Draft", "DraftRequest", "Drafter", "NGRAM_SPECS", "NgramDrafter", "NgramTable", "SELF_SPECS",
            "create"]
 
 NGRAM_SPECS = ("ngram", "ngram:prompt", "ngram:online")  # the n-gram drafter by name: no model of its own
+SELF_SPECS = ("self", "ngram+self")  # a quantized copy of the target drafts (":<precision>", default int8)
 
 
 def create(spec, target_manifest, options=None, verify_hashes: bool = True, engine_dir=None):
     """None/"none" → no drafter; "dspark" or "dspark:<precision>" → the engine folder's DSpark
     drafter; "ngram" → NgramDrafter() with the engine folder's corpus table when it has one
     (``ngram_table.npz``) and its calibrated confidences; "ngram:online" → the same table with
-    confidences estimated online instead; "ngram:prompt" → prompt lookup alone; a folder path → its draft
+    confidences estimated online instead; "ngram:prompt" → prompt lookup alone; "self" / "self:<precision>"
+    → the target's own graph at another precision (default int8) drafts over its KV cache;
+    "ngram+self[:<precision>]" → the n-gram drafter, and that copy where it promises more; a folder path → its draft
     model; an object with ``propose`` → used as is."""
     from ..errors import ConfigError
 
@@ -38,6 +41,15 @@ def create(spec, target_manifest, options=None, verify_hashes: bool = True, engi
         table = NgramTable.load_for(table_path, target_manifest)
         log.info("n-gram drafter: prompt lookup and the corpus table %s (%d contexts)", table_path, table.entries)
         return NgramDrafter(table=table, calibrated=spec != "ngram:online")
+    if isinstance(spec, str) and spec.partition(":")[0] in SELF_SPECS:
+        from .self_draft import SelfDrafter
+
+        if engine_dir is None:
+            raise ConfigError("self-drafting uses another precision of the target's engine folder; pass engine_dir")
+        name, _, precision = spec.partition(":")
+        ngram = create("ngram", target_manifest, engine_dir=engine_dir) if name == "ngram+self" else None
+        return SelfDrafter(engine_dir, target_manifest, precision or "int8", options=options,
+                           verify_hashes=verify_hashes, ngram=ngram)
     if isinstance(spec, str) and (spec == "dspark" or spec.startswith("dspark:")):
         from .dspark import DSparkDrafter
 
@@ -50,6 +62,6 @@ def create(spec, target_manifest, options=None, verify_hashes: bool = True, engi
 
         return DraftModelDrafter(spec, target_manifest, options=options, verify_hashes=verify_hashes)
     raise ConfigError(f"drafter {spec!r} is not 'none', 'dspark', 'dspark:<precision>', 'ngram', 'ngram:prompt', "
-                      "'ngram:online', "
+                      "'ngram:online', 'self[:<precision>]', 'ngram+self[:<precision>]', "
                       "a draft-model "
                       "engine folder, or a Drafter object")

@@ -9,7 +9,7 @@ Drafters know nothing about the target's KV cache or the verification rule.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,6 +54,9 @@ class DraftRequest:
     # position + i)`` so that it equals the target's token whenever q_i is close to p_i.
     coupled_seed: int | None = None
     position: int = 0
+    # With the scheduler: the target's cost (ms) of a verify pass at a listed width, as its cost
+    # model has it now, for drafters whose drafting costs per token (they may stop early).
+    verify_cost: Callable[[int], float] | None = None
 
 
 class Drafter(Protocol):

@@ -91,15 +91,18 @@ class DraftModelDrafter:
         greedy = request.temperature == 0.0
         tokens, qs, conf = [], [], []
         for i in range(k):
+            # The confidence is the model's top probability, known before the draw: a width chosen
+            # from the probability of the token actually drawn would depend on that draw, and the
+            # sampled output would no longer follow the target (scheduler.py).
             if greedy:
                 x = int(np.argmax(logits))
                 conf.append(float(probs(logits, 1.0)[x]))
             else:
                 q = probs(logits, request.temperature, request.top_k, request.top_p)
+                conf.append(float(q.max()))
                 x = (sample(q, rng) if request.coupled_seed is None
                      else coupled_pick(q, request.coupled_seed, request.position + i))
                 qs.append(q)
-                conf.append(float(q[x]))
             tokens.append(x)
             if i + 1 < k:
                 logits = self.model.step(self._cache, np.array([x], dtype=np.int64)).logits[-1]

@@ -1,0 +1,214 @@
+"""Self-drafting: a quantized copy of the target (another precision of the same engine folder,
+INT8 by default) drafts for it, reading and writing the target's own KV cache.
+
+The copy has the target's architecture, so its K/V have the target's layout: instead of a
+cache of its own that would have to catch up on every committed token, it runs over the
+target's cache (a second binding of the same buffers). Each round it runs the pending token
+and then its own drafts one at a time at the positions after the committed ones, attending to
+the target's exact K/V of the context; the target's verify pass then writes its own K/V over
+those positions before it reads them, so the copy's values never reach the output. No file is
+exported for it and no second cache is held.
+
+A drafted token costs a step of the copy (on a 2-core AVX2 CPU an INT8 step is about 55 % of an
+FP32 step), so drafting stops early where the drafts are unlikely to be accepted: before each
+further draft, the expected tokens per millisecond of the round with it (its survival guessed
+from the last conditional confidence) must beat the round without it, with verify costs from
+the scheduler's corrected cost model (``DraftRequest.verify_cost``). Without one (a fixed draft
+length) it drafts the length asked for.
+
+Confidences: the observed acceptance rate of drafts, per bin of the copy's margin (top-1 minus
+top-2 probability) at that position, computed before the draft is drawn, so a width choice made
+from them never looks at the draw it admits. They are this generation's observed rates
+(``observed_confidence``), kept per generation like the n-gram drafter's.
+
+``with_ngram``: the n-gram drafter proposes first (its lookup costs a fraction of a
+millisecond); its drafts are used when their expected tokens per millisecond (the scheduler's
+width rule on their confidences) match what drafting with the copy is expected to give, and the
+copy drafts otherwise. With a fixed draft length k, the n-gram drafts are used when there are k
+of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..backends import BackendOptions
+from ..decoder import DecoderModel
+from ..errors import ConfigError, EngineError
+from ..manifest import Manifest, verify_role_files
+from ..sampling import coupled_pick, probs, sample
+from ..scheduler import choose_width
+from ..verify import judged
+from .base import Draft, DraftRequest
+
+log = logging.getLogger(__name__)
+
+# Margin bins (top-1 minus top-2 probability of the copy) and the acceptance each starts from.
+MARGIN_EDGES = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
+MARGIN_PRIOR = (0.55, 0.65, 0.75, 0.82, 0.88, 0.93, 0.97, 0.99)
+PRIOR_WEIGHT = 4.0
+
+
+class SelfDrafter:
+    name = "self"
+    needs_hidden = False
+    observed_confidence = True
+
+    def __init__(self, engine_dir: str | Path, target_manifest: Manifest, precision: str = "int8",
+                 options: BackendOptions | None = None, verify_hashes: bool = True, max_tokens: int = 8,
+                 ngram=None) -> None:
+        engine_dir = Path(engine_dir)
+        present = target_manifest.precisions("target", "onnxruntime")
+        if precision not in present:
+            raise ConfigError(f"self-drafting with {precision} needs the engine's {precision} target graph; "
+                              f"{engine_dir} has {present}: export it with `python -m export target --precisions "
+                              f"{','.join(sorted(set(present) | {precision}))}` or pick one of {present}")
+        verify_role_files(target_manifest, engine_dir, "target", precision, check_hashes=verify_hashes)
+        self.model = DecoderModel(target_manifest, engine_dir, precision, options=options)
+        if 1 not in self.model.widths:
+            raise EngineError(f"{engine_dir}: the {precision} graph lists no width-1 variant")
+        self.precision = precision
+        self.max_tokens = max_tokens
+        self.ngram = ngram
+        self.name = f"self:{precision}" if ngram is None else f"{ngram.name}+self:{precision}"
+        self._target_cache = None
+        self._view = None
+        self._widths: tuple[int, ...] = ()
+        self.step_ms = 0.0  # moving average of one drafting step
+        self.source = "self"  # of the latest proposal: "self" or "ngram"
+        self._bins: list[int] = []  # margin bin of each draft of the latest self proposal
+        self.begin(())
+
+    # -- the target's cache -------------------------------------------------------------------
+    def bind_target(self, target: DecoderModel, cache) -> None:
+        """Draft over ``cache`` (the target's KV cache). Refuses a target whose cache the copy
+        cannot share (another backend, K/V type or layout)."""
+        if cache is self._target_cache:
+            return
+        view = getattr(self.model.session, "view_cache", None)
+        if view is None or target.backend != "onnxruntime":
+            raise ConfigError("self-drafting shares the target's KV cache and needs the onnxruntime backend; "
+                              "use the n-gram drafter with the TensorRT backend")
+        self._view = view(cache)
+        self._target_cache = cache
+        self._widths = target.widths
+
+    # -- the drafter protocol -----------------------------------------------------------------
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.tried = np.zeros(len(MARGIN_PRIOR))
+        self.accepted = np.zeros(len(MARGIN_PRIOR))
+        if self.ngram is not None:
+            self.ngram.begin(prompt_ids)
+
+    @property
+    def rate(self) -> float:
+        """Observed conditional acceptance of the copy's drafts so far (with the priors)."""
+        prior = float(np.mean(MARGIN_PRIOR))
+        return float((self.accepted.sum() + prior * PRIOR_WEIGHT) / (self.tried.sum() + PRIOR_WEIGHT))
+
+    def _confidence(self, margin: float) -> tuple[int, float]:
+        b = int(np.searchsorted(MARGIN_EDGES, margin, side="right"))
+        return b, float((self.accepted[b] + MARGIN_PRIOR[b] * PRIOR_WEIGHT) / (self.tried[b] + PRIOR_WEIGHT))
+
+    def _self_value(self, k_max: int, cost: Callable[[int], float]) -> float:
+        """Expected tokens per ms of drafting with the copy, from its observed acceptance rate."""
+        alpha, d = self.rate, max(self.step_ms, 1e-3)
+        best = 1.0 / cost(1)
+        for w in self._widths:
+            k = w - 1
+            if 1 <= k <= k_max:
+                best = max(best, (1.0 + sum(alpha ** i for i in range(1, k + 1))) / (k * d + cost(w)))
+        return best
+
+    def propose(self, request: DraftRequest, rng: np.random.Generator) -> Draft:
+        k_max = min(request.max_tokens, self.max_tokens)
+        if k_max < 1:
+            return Draft.empty()
+        cost = request.verify_cost
+        if self.ngram is not None:
+            ng = self.ngram.propose(request, rng)
+            if len(ng) and self._use_ngram(ng, k_max, cost):
+                self.source = "ngram"
+                self.observed_confidence = self.ngram.observed_confidence
+                return ng
+        self.source, self.observed_confidence = "self", True
+        if cost is not None and self._self_value(k_max, cost) <= 1.0 / cost(1):
+            return Draft.empty()  # drafting with the copy is not expected to pay
+        return self._draft(request, k_max, cost, rng)
+
+    def _use_ngram(self, ng: Draft, k_max: int, cost) -> bool:
+        if cost is None:  # a fixed draft length
+            return len(ng) >= k_max
+        fits = [w for w in self._widths if w - 1 <= len(ng)]
+        if len(fits) < 2:
+            return False
+        _, value = choose_width(ng.confidence, fits, cost)
+        return value >= self._self_value(k_max, cost)
+
+    def _draft(self, request: DraftRequest, k_max: int, cost, rng: np.random.Generator) -> Draft:
+        cache, view = self._target_cache, self._view
+        if view is None or cache is None or cache.length != len(request.context) - 1:
+            return Draft.empty()  # not bound to the cache this context is in (e.g. a replay)
+        k_max = min(k_max, cache.free - 1)
+        listed = sorted(w - 1 for w in self._widths if 1 <= w - 1 <= k_max)
+        if not listed:
+            return Draft.empty()
+        greedy = request.temperature == 0.0
+        tokens: list[int] = []
+        qs: list[np.ndarray] = []
+        conf: list[float] = []
+        self._bins = []
+        survival, expected, last_c = 1.0, 0.0, self.rate
+        x = int(request.context[-1])
+        view.length = cache.length
+        try:
+            for goal in listed:
+                if cost is not None and tokens:
+                    # Before drafting up to ``goal``: does the round with them promise more tokens
+                    # per ms than the round as it stands? Their survivals are guessed from the
+                    # last conditional confidence (they are not drawn yet).
+                    d = max(self.step_ms, 1e-3)
+                    now = (1.0 + expected) / (len(tokens) * d + cost(len(tokens) + 1))
+                    more = sum(survival * last_c ** e for e in range(1, goal - len(tokens) + 1))
+                    if (1.0 + expected + more) / (goal * d + cost(goal + 1)) <= now:
+                        break
+                while len(tokens) < goal:
+                    t = time.perf_counter()
+                    logits = self.model.step(view, np.array([x], dtype=np.int64)).logits[-1]
+                    view.commit(1)
+                    q = probs(logits, 1.0 if greedy else request.temperature, 0 if greedy else request.top_k,
+                              1.0 if greedy else request.top_p)
+                    top2 = np.partition(q, -2)[-2:]
+                    b, c = self._confidence(float(top2[1] - top2[0]))  # before the draw
+                    if greedy:
+                        x = int(np.argmax(q))
+                    else:
+                        x = (sample(q, rng) if request.coupled_seed is None
+                             else coupled_pick(q, request.coupled_seed, request.position + len(tokens)))
+                        qs.append(q)
+                    tokens.append(x)
+                    conf.append(c)
+                    self._bins.append(b)
+                    survival *= c
+                    expected += survival
+                    last_c = c
+                    ms = (time.perf_counter() - t) * 1e3
+                    self.step_ms = ms if self.step_ms <= 0 else 0.8 * self.step_ms + 0.2 * ms
+        finally:
+            view.length = cache.length  # the copy's K/V past the committed positions are dropped
+        return Draft(np.asarray(tokens, dtype=np.int64), np.stack(qs) if qs else None,
+                     np.asarray(conf, dtype=np.float64))
+
+    def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:
+        if self.source == "ngram":
+            self.ngram.feedback(drafted, accepted, committed)
+            return
+        bins = self._bins[:drafted]
+        for i in range(judged(len(bins), accepted)):
+            self.tried[bins[i]] += 1
+            self.accepted[bins[i]] += i < accepted

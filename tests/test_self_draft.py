@@ -1,0 +1,130 @@
+"""Self-drafting: the target's INT8 graph drafts over the target's own KV cache (tiny model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dspark_edge
+from dspark_edge import ConfigError
+from dspark_edge.backends.base import BackendError
+from dspark_edge.drafters import DraftRequest
+from dspark_edge.telemetry import FakeReader
+from test_speculative_tiny import PROMPTS, _check_exact, _chi2_rejects, _exact_joint
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_engine):
+    return dspark_edge.load(tiny_engine, "fp32")
+
+
+def _bound(pipe, prompt: str):
+    """The pipeline's self drafter bound to a fresh target cache holding ``prompt`` but its
+    last token; returns (drafter, cache, context)."""
+    d = pipe.drafter
+    ids = pipe.encode_prompt(prompt)
+    cache = pipe.target.new_cache()
+    pipe.target.prefill(cache, np.asarray(ids[:-1], dtype=np.int64))
+    d.bind_target(pipe.target, cache)
+    d.begin(ids[:-1])
+    return d, cache, ids
+
+
+@pytest.mark.parametrize("spec", ["self", "ngram+self"])
+def test_greedy_self_drafting_equals_plain(plain, tiny_engine, spec):
+    fixed = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter=spec)
+    assert _check_exact(plain, fixed, PROMPTS[:20]) <= 1
+    for k in (1, 2, 3):
+        assert _check_exact(plain, fixed, PROMPTS[20:24], draft_tokens=k) == 0
+    auto = dspark_edge.load(tiny_engine, "fp32", drafter=spec, telemetry=FakeReader())
+    assert _check_exact(plain, auto, PROMPTS[24:34]) <= 1
+    r = fixed.generate(PROMPTS[0], max_new_tokens=24, ignore_eos=True, draft_tokens=3)
+    assert r.stats.draft_n > 0 and r.stats.drafter == fixed.drafter.name
+    if spec == "self":  # the INT8 copy of the tiny model agrees with it nearly always
+        assert r.stats.draft_n_accepted >= 0.8 * r.stats.draft_n
+
+
+def test_drafting_leaves_the_target_cache_as_it_was(tiny_engine):
+    pipe = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="self")
+    d, cache, ids = _bound(pipe, PROMPTS[5])
+    before = pipe.target.step(cache, np.asarray(ids[-1:], dtype=np.int64)).logits.copy()
+    length = cache.length
+    draft = d.propose(DraftRequest(ids, 3, 0.0, 0, 1.0), np.random.default_rng(0))
+    assert len(draft) == 3 and cache.length == length
+    # The drafts' K/V were written past the committed positions; a target pass writes its own
+    # there before reading them, so it computes exactly what it computed before the drafting.
+    after = pipe.target.step(cache, np.asarray(ids[-1:], dtype=np.int64)).logits
+    np.testing.assert_array_equal(before, after)
+    block = np.concatenate((ids[-1:], draft.tokens)).astype(np.int64)
+    wide = pipe.target.step(cache, block).logits.copy()
+    fresh = pipe.target.new_cache()  # the same pass over a cache no drafter has touched
+    pipe.target.prefill(fresh, np.asarray(ids[:-1], dtype=np.int64))
+    np.testing.assert_array_equal(wide, pipe.target.step(fresh, block).logits)
+
+
+def test_sampled_self_drafting_follows_the_target_distribution(tiny_engine):
+    prompt = "The quick brown fox The quick brown"
+    spec = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="self")
+    drafted = sum(spec.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=4, seed=s, ignore_eos=True,
+                                draft_tokens=2).stats.draft_n for s in range(10))
+    assert drafted > 0
+    exact = _exact_joint(spec, spec.encode_prompt(prompt), top_k=4)
+    assert not _chi2_rejects(spec, prompt, exact, 3000, 4, draft_tokens=2)
+
+
+def test_confidences_are_known_before_the_draw(tiny_engine, tiny_draft_poor):
+    """A confidence must not depend on the token it admits: sampled drafts differ from seed to
+    seed, the first draft's confidence does not (also for an independent draft model)."""
+    pipe = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="self")
+    d, _, ids = _bound(pipe, PROMPTS[7])
+    request = DraftRequest(ids, 3, 1.5, 0, 1.0)
+    drafts = [d.propose(request, np.random.default_rng(s)) for s in range(12)]
+    assert len({int(x.tokens[0]) for x in drafts}) > 1
+    first = [float(x.confidence[0]) for x in drafts]
+    assert max(first) - min(first) < 1e-6
+    # The draft model re-runs its cache after each proposal: equal up to float rounding.
+    model = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter=tiny_draft_poor).drafter
+    model.begin(ids[:-1])
+    drafts = [model.propose(request, np.random.default_rng(s)) for s in range(12)]
+    assert len({int(x.tokens[0]) for x in drafts}) > 1
+    first = [float(x.confidence[0]) for x in drafts]
+    assert max(first) - min(first) < 1e-6
+
+
+def test_drafting_stops_where_it_does_not_pay(tiny_engine):
+    pipe = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="self")
+    d, _, ids = _bound(pipe, PROMPTS[9])
+    flat = {w: 10.0 for w in pipe.target.widths}.__getitem__
+    request = DraftRequest(ids, 3, 0.0, 0, 1.0, verify_cost=flat)
+    d.step_ms = 1e-3  # drafting costs nothing: every listed width is worth filling
+    assert len(d.propose(request, np.random.default_rng(0))) == 3
+    d.step_ms = 1e4  # a draft costs far more than a pass: not worth drafting at all
+    assert len(d.propose(request, np.random.default_rng(0))) == 0
+    d.step_ms = 4.0  # in between: fewer drafts than allowed, a listed length
+    d.tried[:], d.accepted[:] = 100, 60  # observed: 60 % accepted
+    assert len(d.propose(request, np.random.default_rng(0))) == 1  # 1.6 / 14 ms beats 1.96 / 18 ms
+
+
+def test_ngram_drafts_are_used_where_they_promise_more(tiny_engine):
+    pipe = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="ngram+self")
+    text = "alpha beta gamma delta epsilon zeta eta theta iota kappa " * 3
+    d, _, ids = _bound(pipe, text)
+    costs = {w: 10.0 for w in pipe.target.widths}.__getitem__
+    d.step_ms = 1e4  # the copy is too dear: the n-gram drafts of the repeated text are used
+    draft = d.propose(DraftRequest(ids, 3, 0.0, 0, 1.0, verify_cost=costs), np.random.default_rng(0))
+    assert d.source == "ngram" and len(draft) > 0
+    d.feedback(len(draft), len(draft), ids)  # goes to the n-gram drafter, not the copy's counts
+    assert d.tried.sum() == 0
+    d.step_ms = 1e-3
+    d.tried[:], d.accepted[:] = 1000, 1000  # a free copy that is always right: it drafts instead
+    d.propose(DraftRequest(ids, 3, 0.0, 0, 1.0, verify_cost=costs), np.random.default_rng(0))
+    assert d.source == "self"
+
+
+def test_self_drafting_errors_name_the_fix(tiny_engine, tiny_portable):
+    with pytest.raises(ConfigError, match="--precisions fp16,fp32,int8"):
+        dspark_edge.load(tiny_engine, "fp32", drafter="self:fp16")
+    pipe = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="self")
+    other = dspark_edge.load(tiny_portable, "fp32")
+    with pytest.raises(BackendError, match="cannot share this KV cache"):
+        pipe.drafter.model.session.view_cache(other.target.new_cache())
