@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import replace
 
 from . import __version__
 from .backends import BackendOptions
@@ -84,10 +85,16 @@ def _backend_options(args) -> BackendOptions:
                           fallback_to_cpu=args.fallback_to_cpu, device_id=args.device_id)
 
 
-def _load(args, drafter=None):
+def _load(args, drafter=None, shared_threads: bool = False):
     from .pipeline import load
 
+    from .pipeline import has_own_model
+
     options = _backend_options(args)
+    if shared_threads or has_own_model(drafter):
+        # The target and a drafter with a graph of its own take turns on one thread pool (this
+        # process opens no other sessions, so the pool being process-wide costs nothing here).
+        options = replace(options, shared_threads=True)
     return load(args.engine, args.precision, drafter=drafter, backend=args.backend, options=options,
                 verify_hashes=not args.no_verify_hashes, scheduler=_scheduler_config(args))
 
@@ -345,7 +352,9 @@ def cmd_bench(args) -> int:
         raise ConfigError(f"--passes must be at least 1, got {args.passes}")
     if args.passes > 1 and not specs:
         raise ConfigError("--passes repeats a comparison: give --drafter as well")
-    pipe = _load(args, drafter=specs[0] if specs else None)
+    from .pipeline import has_own_model
+
+    pipe = _load(args, drafter=specs[0] if specs else None, shared_threads=any(map(has_own_model, specs)))
     bar = _Progress("bench", len(prompts) * args.passes)
 
     def progress(done, total, row):

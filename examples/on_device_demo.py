@@ -256,8 +256,9 @@ def main() -> int:
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question (default: %(default)r)")
     ap.add_argument("--drafter", default=None,
                     help="'dspark' (default when the engine has one), 'ngram' (default otherwise: prompt lookup "
-                         "and the engine's n-gram table), 'ngram:prompt' (prompt lookup alone), 'none' for "
-                         "plain decoding, or a draft-model engine folder")
+                         "and the engine's n-gram table), 'ngram:prompt' (prompt lookup alone), 'self' / "
+                         "'ngram+self' (the engine's INT8 graph drafts for the target), 'none' for plain "
+                         "decoding, or a draft-model engine folder")
     ap.add_argument("--chat", action="store_true", help="interactive chat (empty line or Ctrl-D quits)")
     ap.add_argument("--race", action="store_true",
                     help="decode plainly and speculatively side by side and report the speedup")
@@ -300,7 +301,10 @@ def main() -> int:
         if args.race and drafter == "none":
             raise dspark_edge.ConfigError("--race compares plain and speculative decoding: give a drafter, "
                                           "not --drafter none")
-        options = dspark_edge.BackendOptions(providers=tuple(p for p in args.providers.split(",") if p))
+        # A drafter with a graph of its own shares the target's thread pool (BackendOptions.shared_threads).
+        options = dspark_edge.BackendOptions(providers=tuple(p for p in args.providers.split(",") if p),
+                                             shared_threads=drafter not in ("none", "ngram", "ngram:prompt",
+                                                                            "ngram:online"))
         pipe = dspark_edge.load(args.engine, precision, drafter=None if drafter == "none" else drafter,
                                 backend=args.backend, options=options)
         pipe.start_telemetry()

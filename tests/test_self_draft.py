@@ -128,3 +128,27 @@ def test_self_drafting_errors_name_the_fix(tiny_engine, tiny_portable):
     other = dspark_edge.load(tiny_portable, "fp32")
     with pytest.raises(BackendError, match="cannot share this KV cache"):
         pipe.drafter.model.session.view_cache(other.target.new_cache())
+
+
+def test_shared_thread_pool_in_a_process_of_its_own(tiny_engine):
+    """``shared_threads``: the target and the drafter run on the process-wide pool, and every
+    session opened afterwards in that process too (onnxruntime refuses others once the pool
+    exists). Run in a child process: the pool would outlive this test in the test process."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import dspark_edge
+        shared = dspark_edge.BackendOptions(shared_threads=True)
+        spec = dspark_edge.load({str(tiny_engine)!r}, "fp32", drafter="self", scheduler=False, options=shared)
+        plain = dspark_edge.load({str(tiny_engine)!r}, "fp32")
+        pools = [s.get_session_options().use_per_session_threads
+                 for s in (spec.target.session.session, spec.drafter.model.session.session, plain.target.session.session)]
+        want = plain.generate("The quick brown", max_new_tokens=12, ignore_eos=True).token_ids
+        got = spec.generate("The quick brown", max_new_tokens=12, ignore_eos=True, draft_tokens=2)
+        print(pools, got.token_ids == want, got.stats.draft_n > 0)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[False, False, False] True True"

@@ -29,6 +29,15 @@ class BackendOptions:
     provider_options: tuple[dict, ...] = ()
     intra_op_threads: int | None = None
     allow_spinning: bool = True
+    # Run on the process-wide ONNX Runtime thread pool (created by the first session that asks,
+    # with ``intra_op_threads`` threads) instead of a pool of the session's own; ``allow_spinning``
+    # does not apply to it. For a target and a drafter with a graph of its own, which take turns
+    # on the same cores: one set of threads instead of two competing sets (docs/PERFORMANCE.md,
+    # "Self-drafting"); the command line sets it for them. Process-wide for good: once one
+    # session uses the pool, onnxruntime refuses sessions with pools of their own, so every later
+    # session this package opens uses it too, and other code in the process must set
+    # ``SessionOptions.use_per_session_threads = False``.
+    shared_threads: bool = False
     max_context: int = 2048
     fallback_to_cpu: bool = False
     device_id: int = 0

@@ -99,11 +99,15 @@ def open_session(path: str, options: BackendOptions, qdq: bool = False):
     on a CPU comes from the fused graph's int8; this file's int8 is for TensorRT."""
     ort = _import_ort()
     so = ort.SessionOptions()
+    if _SHARED_POOL or (options.shared_threads and _shared_pool(options.intra_op_threads)):
+        # Once the process-wide pool exists onnxruntime refuses sessions with pools of their own.
+        so.use_per_session_threads = False
+    else:
+        if options.intra_op_threads is not None:
+            so.intra_op_num_threads = options.intra_op_threads
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.allow_spinning else "0")
     if qdq and (options.providers[:1] or ("CPUExecutionProvider",))[0] == "CPUExecutionProvider":
         so.add_session_config_entry("session.disable_quant_qdq", "1")
-    if options.intra_op_threads is not None:
-        so.intra_op_num_threads = options.intra_op_threads
-    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.allow_spinning else "0")
     so.log_severity_level = 3
     providers, provider_options = resolve_providers(options)
     try:
@@ -113,6 +117,29 @@ def open_session(path: str, options: BackendOptions, qdq: bool = False):
                           "corrupted, or need a newer onnxruntime; re-export the engine folder") from exc
     check_created_providers(providers, session.get_providers(), options.fallback_to_cpu)
     return session
+
+
+_SHARED_POOL: list[int] = []  # the threads the process-wide pool was requested with, once requested
+
+
+def _shared_pool(threads: int | None) -> bool:
+    """Ask ONNX Runtime for the process-wide intra-op pool (once per process; ``threads`` None:
+    its default, one per physical core). False when this onnxruntime build cannot: the caller
+    then gives the session a pool of its own."""
+    if not _SHARED_POOL:
+        try:
+            from onnxruntime.capi import _pybind_state
+            _pybind_state.set_global_thread_pool_sizes(threads or 0, 1)
+        except (ImportError, AttributeError, RuntimeError) as exc:
+            log.warning("this onnxruntime cannot share one thread pool between sessions (%s); each session "
+                        "keeps its own", exc)
+            return False
+        _SHARED_POOL.append(threads or 0)
+        log.info("sessions share the process-wide onnxruntime thread pool (%s threads)", threads or "default")
+    elif (threads or 0) != _SHARED_POOL[0]:
+        log.warning("the shared thread pool has %s threads already; intra_op_threads=%s does not resize it",
+                    _SHARED_POOL[0] or "default", threads)
+    return True
 
 
 def check_created_providers(requested: list[str], created: list[str], fallback_to_cpu: bool) -> None:
