@@ -94,10 +94,10 @@ def replay(records: list[dict], policy, verify_ms: dict[int, float], widths: tup
                 w, drafted = max(x for x in widths if x <= k + 1), True
             else:  # as the pipeline's loop calls it
                 drafted = policy.wants_draft(snap)
-                if drafted:
-                    policy.costs.observe_draft(r["draft_ms"])
                 conf = r["conf"][j][:k_max] if drafted else np.zeros(0)
                 w = policy.decide(conf, snap, shift=not observed).width
+                if drafted:  # after the choice, as the pipeline does
+                    policy.costs.observe_draft(r["draft_ms"])
             tokens = 1 + min(r["acc"][j], w - 1)
             cost = verify_ms[w] + (r["draft_ms"] if drafted else 0.0)
             if not isinstance(policy, (int, type(None))):

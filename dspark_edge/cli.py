@@ -103,7 +103,9 @@ def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--drafter", default=None,
                    help="speculative decoding with 'dspark', 'dspark:int8', 'ngram' (prompt lookup, plus the "
                         "engine's corpus n-gram table when it has one), 'ngram:online' (the table, confidences "
-                        "estimated online), 'ngram:prompt' (prompt lookup alone) or a "
+                        "estimated online), 'ngram:prompt' (prompt lookup alone), 'self' / 'self:<precision>' "
+                        "(the engine's INT8 (or that precision's) graph drafts over the target's KV cache), "
+                        "'ngram+self' (n-gram drafts where they promise more, the copy's otherwise) or a "
                         "draft-model engine folder (default: plain decoding)")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="verify exactly this many drafts every round (default: the scheduler chooses)")
@@ -212,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=15, help="timed repeats per width for the verify curve")
     b.add_argument("--drafter", default=None,
                    help="compare plain decoding with this drafter ('dspark', 'dspark:int8', 'ngram', "
-                        "'ngram:online', 'ngram:prompt' or a draft-model engine folder; several, comma-separated, are compared "
+                        "'ngram:online', 'ngram:prompt', 'self[:<precision>]', 'ngram+self[:<precision>]' or a "
+                        "draft-model engine folder; several, comma-separated, are compared "
                         "in the same run), interleaved per prompt: verify width chosen per round by the "
                         "scheduler ('auto') and fixed at every listed draft length")
     b.add_argument("--draft-tokens", default=None,

@@ -381,7 +381,8 @@ class TextStream:
                             proposal = drafter.propose(DraftRequest(
                                 committed + [pending], k_max, cfg.temperature, cfg.top_k, cfg.top_p, new_hidden,
                                 coupled_seed=seed if coupled else None, position=len(self.token_ids),
-                                verify_cost=None if sched is None else sched.costs.verify), rng)
+                                verify_cost=None if sched is None else sched.costs.verify,
+                                confidence_offset=0.0 if sched is None else sched.offset), rng)
                             _check_draft(proposal, k_max, p.manifest.model.vocab_size)
                             draft, failures = proposal, 0
                         except Exception as exc:  # a drafter must never take the generation down
@@ -393,13 +394,14 @@ class TextStream:
                                 drafter, hidden_rows = None, None
                         draft_ms = (time.perf_counter() - t_d) * 1e3
                         st.draft_s += draft_ms / 1e3
-                        if sched is not None:
-                            sched.costs.observe_draft(draft_ms)
                     decision = None
                     # Confidences that are already this generation's observed rates get no offset.
                     observed = bool(getattr(drafter, "observed_confidence", False))
+                    source = getattr(drafter, "source", None) if t_d is not None else None
                     if sched is not None:
-                        decision = sched.decide(draft.confidence, snap, shift=not observed)
+                        decision = sched.decide(draft.confidence, snap, shift=not observed, source=source)
+                        if t_d is not None:  # after the choice: it must not see this round's own time
+                            sched.costs.observe_draft(draft_ms, source=source)
                         st.modes[decision.mode] = st.modes.get(decision.mode, 0) + 1
                         draft = draft.trimmed(decision.width - 1)
                     elif cfg.draft_tokens is None and len(draft) > 1:

@@ -186,6 +186,7 @@ class CostModel:
 
     def __init__(self, verify_ms: dict[int, float], draft_ms: float, window: int = 12, min_obs: int = 3) -> None:
         self.verify_ms, self.draft_ms = monotone(verify_ms), float(draft_ms)
+        self.draft_by_source: dict[str, float] = {}  # for a drafter with several sources (ngram+self)
         self.ratios: dict[int, deque] = {w: deque(maxlen=window) for w in verify_ms}
         self.all_ratios: deque = deque(maxlen=window)
         self.min_obs = min_obs
@@ -207,12 +208,21 @@ class CostModel:
     def verify(self, width: int) -> float:
         return self._verify[width]
 
-    def round(self, width: int, drafting: bool = True) -> float:
-        return self.verify(width) + (self.draft_ms if drafting else 0.0)
+    def drafting(self, source: str | None = None) -> float:
+        """The moving drafting time of rounds drafted by ``source`` (all rounds' when None or
+        not seen yet)."""
+        return self.draft_by_source.get(source, self.draft_ms) if source is not None else self.draft_ms
 
-    def observe_draft(self, ms: float, weight: float = 0.2) -> None:
-        """Drafting time is measured directly (moving average); it needs no profile."""
+    def round(self, width: int, drafting: bool = True, source: str | None = None) -> float:
+        return self.verify(width) + (self.drafting(source) if drafting else 0.0)
+
+    def observe_draft(self, ms: float, weight: float = 0.2, source: str | None = None) -> None:
+        """Drafting time is measured directly (moving average, overall and per ``source``); it
+        needs no profile."""
         self.draft_ms = ms if self.draft_ms <= 0 else (1 - weight) * self.draft_ms + weight * ms
+        if source is not None:
+            old = self.draft_by_source.get(source)
+            self.draft_by_source[source] = ms if old is None else (1 - weight) * old + weight * ms
 
     def observe(self, width: int, verify_ms: float) -> None:
         if width in self.verify_ms and verify_ms > 0:
@@ -254,6 +264,7 @@ class Scheduler:
         self._spec_rounds = 0
         self.offset = 0.0  # the online confidence offset δ (logits)
         self._declined = 0  # rounds in a row whose offered drafts were all declined
+        self._source: str | None = None  # the drafter's source of this round's drafts (see decide)
         self.decisions: deque[Decision] = deque(maxlen=self.config.max_record)
 
     # -- modes ------------------------------------------------------------------------------
@@ -324,7 +335,9 @@ class Scheduler:
     def _cost(self, w: int) -> float:
         # Within a round the drafting is already paid; every width, 1 included, carries it, so
         # the choice compares what each width adds. Whether to draft at all is the gate's call.
-        c = self.costs.round(w, drafting=True)
+        # It is the moving time of past rounds (of this round's source), never this round's
+        # own: a drafter that stops early drafts for a time that depends on its draws.
+        c = self.costs.round(w, drafting=True, source=self._source)
         if self.mode in ("hot", "parked"):
             c *= 1.0 + self.config.energy_bias * (w - 1)
         return c
@@ -353,11 +366,13 @@ class Scheduler:
         bound = self.config.max_offset
         self.offset = float(np.clip(self.offset + lr * float((y - c[:n]).sum()), -bound, bound))
 
-    def decide(self, confidence: np.ndarray, snap: Snapshot, shift: bool = True) -> Decision:
+    def decide(self, confidence: np.ndarray, snap: Snapshot, shift: bool = True, source: str | None = None) -> Decision:
         """The verify width for drafts with these calibrated confidences, shifted by the online
         offset unless ``shift`` is false (confidences that are observed acceptance rates already,
-        as the n-gram drafter's are)."""
+        as the n-gram drafter's are). ``source``: which of a drafter's sources drafted them
+        (its drafting time is costed apart)."""
         self.step += 1
+        self._source = source
         confidence = np.asarray(confidence)
         k = int(confidence.shape[0])
         use = shift and k > 0

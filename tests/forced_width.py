@@ -18,6 +18,6 @@ class ForcedWidthScheduler:
         self.inner.update_modes(snap)
         return True
 
-    def decide(self, confidence, snap, shift=True):
-        d = self.inner.decide(confidence, snap, shift=shift)
+    def decide(self, confidence, snap, shift=True, source=None):
+        d = self.inner.decide(confidence, snap, shift=shift, source=source)
         return dataclasses.replace(d, width=self.width(confidence), reason=self.reason)

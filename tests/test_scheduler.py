@@ -373,3 +373,18 @@ def test_declined_drafts_are_explored_so_a_low_offset_recovers():
             assert set(widths) == {1} and sched.offset == -3.0
     with pytest.raises(ConfigError):
         SchedulerConfig(explore_every=-1)
+
+
+def test_drafting_time_is_kept_per_source():
+    """A drafter with two sources (n-gram lookup, a model) gets each one's drafting time in the
+    rounds it drafts; without a source, the moving time over all rounds."""
+    from dspark_edge.scheduler import CostModel
+
+    costs = CostModel({1: 10.0, 2: 11.0}, 0.0)
+    for _ in range(5):
+        costs.observe_draft(40.0, source="self")
+        costs.observe_draft(0.2, source="ngram")
+    assert costs.drafting("ngram") == pytest.approx(0.2)
+    assert costs.drafting("self") == pytest.approx(40.0)
+    assert 0.2 < costs.drafting() < 40.0 and costs.drafting("unseen") == costs.drafting()
+    assert costs.round(2, source="self") == pytest.approx(51.0)

@@ -1,5 +1,6 @@
 """Drafters behind one protocol (``base.Drafter``): the DSpark block drafter, model-free n-gram
-lookup and an independent draft model. ``create`` turns a user's choice into a drafter."""
+lookup, an independent draft model, and self-drafting (the target's own cheaper graph over its KV
+cache). ``create`` turns a user's choice into a drafter."""
 
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ A drafter proposes up to N tokens after the committed context, with the distribu
 each was drawn from (None for deterministic drafters) and a per-position confidence c_i
 (the estimated probability that draft i is accepted given drafts 1..i-1 were). After each
 round ``feedback`` says how many were accepted and which tokens were committed.
-Drafters know nothing about the target's KV cache or the verification rule.
+Drafters know nothing about the verification rule, nor about the target's KV cache, except one
+with a ``bind_target(target, cache)`` method (self-drafting, ``self_draft.py``), which the
+pipeline calls with its cache before each generation.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class DraftRequest:
     # With the scheduler: the target's cost (ms) of a verify pass at a listed width, as its cost
     # model has it now, for drafters whose drafting costs per token (they may stop early).
     verify_cost: Callable[[int], float] | None = None
+    # The scheduler's online confidence offset (logits), for a drafter that compares calibrated
+    # confidences of its own sources before the scheduler sees them.
+    confidence_offset: float = 0.0
 
 
 class Drafter(Protocol):

@@ -18,8 +18,12 @@ length) it drafts the length asked for.
 
 Confidences: the observed acceptance rate of drafts, per bin of the copy's margin (top-1 minus
 top-2 probability) at that position, computed before the draft is drawn, so a width choice made
-from them never looks at the draw it admits. They are this generation's observed rates
-(``observed_confidence``), kept per generation like the n-gram drafter's.
+from them never looks at the draw it admits. They are observed rates (``observed_confidence``),
+kept across generations: how often the copy agrees with the target is a property of the two
+graphs, not of a prompt, and a 64-token answer is too short to learn it afresh (with counts reset
+per generation the scheduler drafted 1-2 tokens a round where 3 paid best). They only shape the
+draft length when the scheduler is on, whose choices depend on measured timings anyway; with a
+fixed draft length the copy drafts exactly that many.
 
 ``with_ngram``: the n-gram drafter proposes first (its lookup costs a fraction of a
 millisecond); its drafts are used when their expected tokens per millisecond (the scheduler's
@@ -82,7 +86,8 @@ class SelfDrafter:
         self.step_ms = 0.0  # moving average of one drafting step
         self.source = "self"  # of the latest proposal: "self" or "ngram"
         self._bins: list[int] = []  # margin bin of each draft of the latest self proposal
-        self.begin(())
+        self.tried = np.zeros(len(MARGIN_PRIOR))  # judged drafts per margin bin, across generations
+        self.accepted = np.zeros(len(MARGIN_PRIOR))
 
     # -- the target's cache -------------------------------------------------------------------
     def bind_target(self, target: DecoderModel, cache) -> None:
@@ -100,8 +105,6 @@ class SelfDrafter:
 
     # -- the drafter protocol -----------------------------------------------------------------
     def begin(self, prompt_ids: Sequence[int]) -> None:
-        self.tried = np.zeros(len(MARGIN_PRIOR))
-        self.accepted = np.zeros(len(MARGIN_PRIOR))
         if self.ngram is not None:
             self.ngram.begin(prompt_ids)
 
@@ -132,7 +135,7 @@ class SelfDrafter:
         cost = request.verify_cost
         if self.ngram is not None:
             ng = self.ngram.propose(request, rng)
-            if len(ng) and self._use_ngram(ng, k_max, cost):
+            if len(ng) and self._use_ngram(ng, k_max, cost, request.confidence_offset):
                 self.source = "ngram"
                 self.observed_confidence = self.ngram.observed_confidence
                 return ng
@@ -141,13 +144,17 @@ class SelfDrafter:
             return Draft.empty()  # drafting with the copy is not expected to pay
         return self._draft(request, k_max, cost, rng)
 
-    def _use_ngram(self, ng: Draft, k_max: int, cost) -> bool:
+    def _use_ngram(self, ng: Draft, k_max: int, cost, offset: float) -> bool:
         if cost is None:  # a fixed draft length
             return len(ng) >= k_max
         fits = [w for w in self._widths if w - 1 <= len(ng)]
         if len(fits) < 2:
             return False
-        _, value = choose_width(ng.confidence, fits, cost)
+        conf = ng.confidence
+        if offset and not self.ngram.observed_confidence:  # as the scheduler will shift them
+            c = np.clip(conf, 1e-6, 1 - 1e-6)
+            conf = 1.0 / (1.0 + np.exp(-(np.log(c / (1 - c)) + offset)))
+        _, value = choose_width(conf, fits, cost)
         return value >= self._self_value(k_max, cost)
 
     def _draft(self, request: DraftRequest, k_max: int, cost, rng: np.random.Generator) -> Draft:
