@@ -30,6 +30,7 @@ from pathlib import Path
 
 import dspark_edge
 from dspark_edge.metrics import TraceWriter
+from dspark_edge.pipeline import has_own_model
 from dspark_edge.tokenizer import IncrementalDecoder
 
 DEFAULT_ENGINE = Path(__file__).resolve().parent.parent / "engines" / "smollm2-135m"
@@ -303,8 +304,7 @@ def main() -> int:
                                           "not --drafter none")
         # A drafter with a graph of its own shares the target's thread pool (BackendOptions.shared_threads).
         options = dspark_edge.BackendOptions(providers=tuple(p for p in args.providers.split(",") if p),
-                                             shared_threads=drafter not in ("none", "ngram", "ngram:prompt",
-                                                                            "ngram:online"))
+                                             shared_threads=has_own_model(drafter))
         pipe = dspark_edge.load(args.engine, precision, drafter=None if drafter == "none" else drafter,
                                 backend=args.backend, options=options)
         pipe.start_telemetry()
