@@ -20,6 +20,7 @@ import numpy as np
 import dspark_edge
 from dspark_edge.bench import load_prompts
 from dspark_edge.config import GenerationConfig
+from dspark_edge.pipeline import has_own_model
 
 
 def _spin(seconds: float) -> None:
@@ -41,12 +42,15 @@ def run_phase(pipe, prompts, fixed: int, max_new: int) -> dict:
     rows = {"scheduler": [], f"fixed k={fixed}": []}
     widths: dict[str, int] = {}
     corrections = []
+    drafted = [0, 0]  # the scheduler's drafts verified, and its rounds
     for rec in prompts:
         for name in rows:
             over = {} if name == "scheduler" else {"draft_tokens": fixed}
             r = pipe.generate(rec["messages"], cfg, **over)
             rows[name].append((r.stats.new_tokens - 1, r.stats.decode_s))
             if name == "scheduler":
+                drafted[0] += r.stats.draft_n
+                drafted[1] += sum(r.stats.widths.values())
                 for k, v in r.stats.widths.items():
                     widths[k] = widths.get(k, 0) + v
                 corrections.append(pipe.scheduler.costs.correction(max(pipe.target.widths)))
@@ -55,6 +59,7 @@ def run_phase(pipe, prompts, fixed: int, max_new: int) -> dict:
     return {"tokens_per_s": {n: round(v, 2) for n, v in rate.items()},
             "scheduler_vs_fixed": round(rate[names[0]] / rate[names[1]], 3),
             "scheduler_widths": dict(sorted(widths.items(), key=lambda kv: int(kv[0]))),
+            "scheduler_drafts_per_round": round(drafted[0] / max(drafted[1], 1), 2),
             "cost_correction_widest": round(float(np.median(corrections)), 2)}
 
 
@@ -81,7 +86,9 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=6, help="prompts per phase")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     args = ap.parse_args()
-    pipe = dspark_edge.load(args.engine, args.precision, drafter=args.drafter)
+    # As the command line does: a drafter with a graph of its own shares the target's thread pool.
+    options = dspark_edge.BackendOptions(shared_threads=has_own_model(args.drafter))
+    pipe = dspark_edge.load(args.engine, args.precision, drafter=args.drafter, options=options)
     prompts = load_prompts()[:args.limit]
     pipe.generate(prompts[0]["messages"], max_new_tokens=16)
     report = {"engine": args.engine, "precision": args.precision, "profile": pipe.profile_status}

@@ -52,9 +52,13 @@ from .base import Draft, DraftRequest
 
 log = logging.getLogger(__name__)
 
-# Margin bins (top-1 minus top-2 probability of the copy) and the acceptance each starts from.
+# Margin bins (top-1 minus top-2 probability of the copy) and the acceptance each starts from:
+# the embedded default's INT8 copy on 120 of the drafter-training answers (15,912 tokens, none
+# from the benchmark set) agreed with the FP32 target 74 / 95 / 98.8 / 99.7 % of the time in
+# the first four bins and 99.9-100 % above (capped at 0.99 here). Another copy (INT4 agrees far
+# less) moves its counts away from these within a few rounds.
 MARGIN_EDGES = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
-MARGIN_PRIOR = (0.55, 0.65, 0.75, 0.82, 0.88, 0.93, 0.97, 0.99)
+MARGIN_PRIOR = (0.74, 0.95, 0.98, 0.99, 0.99, 0.99, 0.99, 0.99)
 PRIOR_WEIGHT = 4.0
 
 
