@@ -86,9 +86,7 @@ def _backend_options(args) -> BackendOptions:
 
 
 def _load(args, drafter=None, shared_threads: bool = False):
-    from .pipeline import load
-
-    from .pipeline import has_own_model
+    from .pipeline import has_own_model, load
 
     options = _backend_options(args)
     if shared_threads or has_own_model(drafter):

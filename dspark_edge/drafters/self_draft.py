@@ -25,7 +25,7 @@ per generation the scheduler drafted 1-2 tokens a round where 3 paid best). They
 draft length when the scheduler is on, whose choices depend on measured timings anyway; with a
 fixed draft length the copy drafts exactly that many.
 
-``with_ngram``: the n-gram drafter proposes first (its lookup costs a fraction of a
+``ngram`` (an n-gram drafter, "ngram+self"): it proposes first (its lookup costs a fraction of a
 millisecond); its drafts are used when their expected tokens per millisecond (the scheduler's
 width rule on their confidences) match what drafting with the copy is expected to give, and the
 copy drafts otherwise. With a fixed draft length k, the n-gram drafts are used when there are k
