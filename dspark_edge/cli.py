@@ -89,9 +89,11 @@ def _load(args, drafter=None, shared_threads: bool = False):
     from .pipeline import has_own_model, load
 
     options = _backend_options(args)
-    if shared_threads or has_own_model(drafter):
-        # The target and a drafter with a graph of its own take turns on one thread pool (this
-        # process opens no other sessions, so the pool being process-wide costs nothing here).
+    if getattr(args, "own_process", False) and (shared_threads or has_own_model(drafter)):
+        # The target and a drafter with a graph of its own take turns on one thread pool. Only
+        # when this is the process's command line: the pool is process-wide for good, and
+        # onnxruntime then refuses sessions with pools of their own (code that calls ``main``
+        # in its own process, a test for one, may open such sessions afterwards).
         options = replace(options, shared_threads=True)
     return load(args.engine, args.precision, drafter=drafter, backend=args.backend, options=options,
                 verify_hashes=not args.no_verify_hashes, scheduler=_scheduler_config(args))
@@ -601,6 +603,7 @@ def run_reporting_errors(fn, *args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.own_process = argv is None  # run as `python -m dspark_edge ...`: the process is the command's
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     command = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "inspect": cmd_inspect,

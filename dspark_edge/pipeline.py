@@ -81,7 +81,7 @@ def drafter_backend_options(drafter, options: BackendOptions | None) -> BackendO
     same cores, and the drafter's threads must not spin-wait after its short pass (a spinning
     drafter made the next width-2 target pass 61 instead of 40 ms, 2-core EPYC); the target
     keeps its own setting (docs/PERFORMANCE.md, "Two thread pools and BLAS"). Better still, with
-    ``BackendOptions.shared_threads`` (the command line sets it for such drafters) both run on
+    ``BackendOptions.shared_threads`` (``python -m dspark_edge`` sets it for such drafters) both run on
     one process-wide pool (docs/PERFORMANCE.md, "Self-drafting")."""
     if has_own_model(drafter) and not (options is not None and options.shared_threads):
         log.info("drafter in use: onnxruntime thread spinning disabled for the drafter's session")

@@ -152,3 +152,22 @@ def test_shared_thread_pool_in_a_process_of_its_own(tiny_engine):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "[False, False, False] True True"
+
+
+def test_the_command_line_shares_the_pool_only_in_its_own_process(tiny_engine):
+    """`python -m dspark_edge` with a drafter that has a graph of its own puts both on the shared
+    pool; ``cli.main`` called inside another program (this test process) leaves pools alone, or
+    that program could open no session with a pool of its own afterwards."""
+    import subprocess
+    import sys
+
+    from dspark_edge.backends import ort as ort_backend
+    from dspark_edge.cli import main
+
+    args = ["-v", "generate", "--engine", str(tiny_engine), "--raw", "The quick brown", "--max-new-tokens", "6",
+            "--drafter", "self", "--draft-tokens", "2"]
+    assert main(args) == 0
+    assert ort_backend._SHARED_POOL == []
+    out = subprocess.run([sys.executable, "-m", "dspark_edge", *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "share the process-wide onnxruntime thread pool" in out.stderr
