@@ -207,8 +207,13 @@ def paired_comparison(rows: dict[str, list[dict]], variants: list[tuple[str, obj
     ``draft_tokens``) of a drafter against that drafter's best fixed width: over the whole set
     (the width with the highest rate) and in each category (the best width there), each a
     ratio with its 95 % interval. Plain decoding, when it is the baseline, is width 1 and
-    counts among the fixed widths (where drafting does not pay, it is the one to beat)."""
+    counts among the fixed widths (where drafting does not pay, it is the one to beat). With
+    several drafters, each scheduled variant is also compared with the best fixed width of any
+    drafter in the run (``best_fixed_any``): a drafter whose fixed widths are weak could
+    otherwise look good against them alone."""
     base = variants[0][0]
+    fixed_any = [n for n, d, o in variants if d is not None and "draft_tokens" in o]
+    several = len({id(d) for _, d, o in variants if d is not None and "draft_tokens" in o}) > 1
     out: dict = {"vs_" + base: {name: ratio_interval(rows[name], rows[base], seed=seed)
                                 for name, _, _ in variants[1:]}}
     plain = [base] if variants[0][1] is None else []
@@ -225,5 +230,8 @@ def paired_comparison(rows: dict[str, list[dict]], variants: list[tuple[str, obj
             best_here = max(fixed, key=lambda n: _rate(pick[n]))
             entry["by_category"][cat] = {"best_fixed": best_here,
                                          **ratio_interval(pick[name], pick[best_here], seed=seed)}
+        if several:
+            best_any = max(fixed_any + plain, key=lambda n: _rate(rows[n]))
+            entry["best_fixed_any"] = {"best_fixed": best_any, **ratio_interval(rows[name], rows[best_any], seed=seed)}
         out[f"{name} vs best fixed"] = entry
     return out

@@ -409,8 +409,11 @@ def _print_paired(paired: dict) -> None:
             r = entry["overall"]
             cats = ", ".join(f"{c} {v['ratio']:.3f} ({v['ci95'][0]:.3f}-{v['ci95'][1]:.3f}) vs {v['best_fixed']}"
                              for c, v in entry["by_category"].items())
+            any_ = entry.get("best_fixed_any")
+            other = (f"; vs the best fixed width of any drafter ({any_['best_fixed']}): {any_['ratio']:.3f} "
+                     f"(95% {any_['ci95'][0]:.3f}-{any_['ci95'][1]:.3f})") if any_ else ""
             print(f"[bench] {key} ({entry['best_fixed']}): {r['ratio']:.3f} (95% {r['ci95'][0]:.3f}-"
-                  f"{r['ci95'][1]:.3f}); by category: {cats}", file=sys.stderr, flush=True)
+                  f"{r['ci95'][1]:.3f}); by category: {cats}{other}", file=sys.stderr, flush=True)
 
 
 class _Progress:

@@ -76,6 +76,21 @@ def test_plain_decoding_is_the_fixed_width_to_beat_where_drafting_does_not_pay()
     assert entry["by_category"]["math"]["best_fixed"] == "d k=1"
 
 
+def test_with_several_drafters_each_scheduler_also_meets_the_best_fixed_width_of_any():
+    a, b = object(), object()
+    variants = [("plain", None, {}), ("a auto", a, {}), ("a k=1", a, {"draft_tokens": 1}),
+                ("b auto", b, {}), ("b k=1", b, {"draft_tokens": 1})]
+    rates = {"plain": 20, "a auto": 27, "a k=1": 24, "b auto": 26, "b k=1": 30}
+    rows = {name: [row(f"qa-{i}", "qa", rate) for i in range(2)] for name, rate in rates.items()}
+    out = paired_comparison(rows, variants)
+    entry = out["a auto vs best fixed"]
+    assert entry["best_fixed"] == "a k=1" and entry["overall"]["ratio"] == pytest.approx(27 / 24, abs=1e-4)
+    assert entry["best_fixed_any"]["best_fixed"] == "b k=1"
+    assert entry["best_fixed_any"]["ratio"] == pytest.approx(27 / 30, abs=1e-4)
+    one = paired_comparison({n: rows[n] for n in ("plain", "a auto", "a k=1")}, variants[:3])
+    assert "best_fixed_any" not in one["a auto vs best fixed"]  # one drafter: its own best is the best
+
+
 class _Stats:
     def __init__(self, rounds):
         self.tokens_per_s, self.decode_s, self.new_tokens, self.rounds = 50.0, 0.1, 6, rounds
