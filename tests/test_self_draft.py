@@ -8,7 +8,7 @@ import pytest
 import dspark_edge
 from dspark_edge import ConfigError
 from dspark_edge.backends.base import BackendError
-from dspark_edge.drafters import DraftRequest
+from dspark_edge.drafters import Draft, DraftRequest
 from dspark_edge.telemetry import FakeReader
 from test_speculative_tiny import PROMPTS, _check_exact, _chi2_rejects, _exact_joint
 
@@ -171,3 +171,13 @@ def test_the_command_line_shares_the_pool_only_in_its_own_process(tiny_engine):
     out = subprocess.run([sys.executable, "-m", "dspark_edge", *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "share the process-wide onnxruntime thread pool" in out.stderr
+
+
+def test_with_a_fixed_length_ngram_drafts_are_used_when_they_reach_as_far(tiny_engine):
+    pipe = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="ngram+self")
+    d = pipe.drafter
+    ng = lambda conf: Draft(np.arange(len(conf), dtype=np.int64), None, np.asarray(conf))  # noqa: E731
+    d.tried[:], d.accepted[:] = 100, 90  # the copy: about 0.9 per draft, 2.44 of 3 expected
+    assert d._use_ngram(ng([0.95, 0.95, 0.95]), 3, None, 0.0)  # 2.71 expected: as far, and free
+    assert not d._use_ngram(ng([0.6, 0.6, 0.6]), 3, None, 0.0)  # 1.18 expected
+    assert not d._use_ngram(ng([0.99, 0.99]), 3, None, 0.0)  # fewer than asked for

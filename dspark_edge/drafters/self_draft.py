@@ -29,7 +29,7 @@ fixed draft length the copy drafts exactly that many.
 millisecond); its drafts are used when their expected tokens per millisecond (the scheduler's
 width rule on their confidences) match what drafting with the copy is expected to give, and the
 copy drafts otherwise. With a fixed draft length k, the n-gram drafts are used when there are k
-of them.
+of them and their expected accepted count (the sum of their survivals) reaches the copy's.
 """
 
 from __future__ import annotations
@@ -149,8 +149,11 @@ class SelfDrafter:
         return self._draft(request, k_max, cost, rng)
 
     def _use_ngram(self, ng: Draft, k_max: int, cost, offset: float) -> bool:
-        if cost is None:  # a fixed draft length
-            return len(ng) >= k_max
+        if cost is None:  # a fixed draft length: the n-gram drafts, free, if they reach as far
+            if len(ng) < k_max:
+                return False
+            reach = float(np.cumprod(np.clip(ng.confidence[:k_max], 0.0, 1.0)).sum())
+            return reach >= sum(self.rate ** i for i in range(1, k_max + 1))
         fits = [w for w in self._widths if w - 1 <= len(ng)]
         if len(fits) < 2:
             return False
