@@ -29,17 +29,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def auroc(score: np.ndarray, y: np.ndarray) -> float:
-    order = np.argsort(score, kind="mergesort")
-    ranks = np.empty(len(score))
-    ranks[order] = np.arange(1, len(score) + 1)
-    n1 = int(y.sum())
-    n0 = len(y) - n1
-    if n1 == 0 or n0 == 0:
-        return float("nan")
-    return float((ranks[y].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
-
-
 def step_ms(model, repeats: int = 60) -> float:
     cache = model.new_cache()
     model.prefill(cache, np.arange(100, 250, dtype=np.int64))
@@ -54,6 +43,7 @@ def step_ms(model, repeats: int = 60) -> float:
 def agreement(args) -> dict:
     from dspark_edge.decoder import DecoderModel
     from dspark_edge.manifest import read_manifest
+    from export.drafter.calibrate import auroc
 
     from ngram_replay import record_answers  # bench/ is on the path when run as a script
 

@@ -116,6 +116,18 @@ def choose_multi(confidences: Sequence[np.ndarray], cost_of_total, max_total: in
     return admitted
 
 
+def shifted(confidence, offset: float) -> np.ndarray:
+    """Confidences shifted by ``offset`` in logit space, σ(logit c + offset) (the scheduler's
+    online offset; a drafter comparing its own sources applies it the same way)."""
+    if offset == 0.0:
+        return np.asarray(confidence, dtype=np.float64)
+    out = []
+    for x in confidence:  # a few numbers: plain floats are cheaper than numpy here
+        c = min(max(float(x), 1e-6), 1.0 - 1e-6)
+        out.append(1.0 / (1.0 + math.exp(-(math.log(c / (1.0 - c)) + offset))))
+    return np.asarray(out, dtype=np.float64)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Every knob of the scheduler, with its default. Temperatures in °C, memory in MiB."""
@@ -344,13 +356,7 @@ class Scheduler:
 
     def adjusted(self, confidence: np.ndarray) -> np.ndarray:
         """The drafter's confidences shifted by the online offset: σ(logit c + δ)."""
-        if self.offset == 0.0:
-            return np.asarray(confidence, dtype=np.float64)
-        out = []
-        for x in confidence:  # a few numbers: plain floats are cheaper than numpy here
-            c = min(max(float(x), 1e-6), 1.0 - 1e-6)
-            out.append(1.0 / (1.0 + math.exp(-(math.log(c / (1.0 - c)) + self.offset))))
-        return np.asarray(out, dtype=np.float64)
+        return shifted(confidence, self.offset)
 
     def observe_acceptance(self, confidence: np.ndarray, accepted: int) -> None:
         """A verified round: the drafter's confidences for the drafts it verified (before the

@@ -244,13 +244,16 @@ class OrtDecoder:
         log.info("opened %s on %s (KV capacity %d, %s layout, cache on %s)", path, ",".join(self.providers),
                  self.capacity, io.kv_layout, self.device)
 
+    @property
+    def _buffer_shape(self) -> tuple[int, ...]:
+        """The shape of one K or V buffer of a cache of this session."""
+        if self.layout is not None:
+            return tuple(self.layout.buffer_shape)
+        return (1, self.model.num_kv_heads, self.capacity, self.model.head_dim)
+
     def new_cache(self) -> OrtKVCache:
         ort = _import_ort()
-        m = self.model
-        if self.layout is not None:
-            shape = self.layout.buffer_shape
-        else:
-            shape = (1, m.num_kv_heads, self.capacity, m.head_dim)
+        shape = self._buffer_shape
         binding = self.session.io_binding()
         buffers = []
         for past, present in self._kv_names:
@@ -270,11 +273,7 @@ class OrtDecoder:
         the caller keeps the two consistent."""
         if not isinstance(cache, OrtKVCache):
             raise BackendError(f"cannot share a {type(cache).__name__}: only an onnxruntime cache")
-        if self.layout is not None:
-            shape = self.layout.buffer_shape
-        else:
-            shape = (1, self.model.num_kv_heads, self.capacity, self.model.head_dim)
-        mine = (list(shape), self._kv_type, self.device, len(self._kv_names))
+        mine = (list(self._buffer_shape), self._kv_type, self.device, len(self._kv_names))
         first = cache.buffers[0]
         theirs = (list(first.shape()), first.data_type(), first.device_name(), len(cache.buffers))
         if mine != theirs:

@@ -46,7 +46,7 @@ from ..decoder import DecoderModel
 from ..errors import ConfigError, EngineError
 from ..manifest import Manifest, verify_role_files
 from ..sampling import coupled_pick, probs, sample
-from ..scheduler import choose_width
+from ..scheduler import choose_width, shifted
 from ..verify import judged
 from .base import Draft, DraftRequest
 
@@ -157,10 +157,8 @@ class SelfDrafter:
         fits = [w for w in self._widths if w - 1 <= len(ng)]
         if len(fits) < 2:
             return False
-        conf = ng.confidence
-        if offset and not self.ngram.observed_confidence:  # as the scheduler will shift them
-            c = np.clip(conf, 1e-6, 1 - 1e-6)
-            conf = 1.0 / (1.0 + np.exp(-(np.log(c / (1 - c)) + offset)))
+        # As the scheduler will shift them (observed rates it leaves as they are).
+        conf = ng.confidence if self.ngram.observed_confidence else shifted(ng.confidence, offset)
         _, value = choose_width(conf, fits, cost)
         return value >= self._self_value(k_max, cost)
 
