@@ -212,8 +212,9 @@ def paired_comparison(rows: dict[str, list[dict]], variants: list[tuple[str, obj
     drafter in the run (``best_fixed_any``): a drafter whose fixed widths are weak could
     otherwise look good against them alone."""
     base = variants[0][0]
-    fixed_any = [n for n, d, o in variants if d is not None and "draft_tokens" in o]
-    several = len({id(d) for _, d, o in variants if d is not None and "draft_tokens" in o}) > 1
+    fixed_pairs = [(n, d) for n, d, o in variants if d is not None and "draft_tokens" in o]
+    fixed_any = [n for n, _ in fixed_pairs]
+    several = len({id(d) for _, d in fixed_pairs}) > 1
     out: dict = {"vs_" + base: {name: ratio_interval(rows[name], rows[base], seed=seed)
                                 for name, _, _ in variants[1:]}}
     plain = [base] if variants[0][1] is None else []
