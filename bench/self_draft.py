@@ -105,6 +105,13 @@ def _one_setting(args) -> dict:
 
 
 def threads(args) -> list[dict]:
+    from dspark_edge.errors import ConfigError
+    from dspark_edge.manifest import read_manifest
+
+    present = read_manifest(args.engine).precisions("target")  # bad input fails here, not in a child
+    if args.copy not in present:
+        raise ConfigError(f"precision {args.copy!r} is not in {args.engine} (it has {present}); export it with "
+                          f"`--precisions {args.copy}` or pick one of those")
     rows = []
     for i in range(args.repeats):
         for setting in ("own", "shared"):
@@ -139,4 +146,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dspark_edge.cli import run_reporting_errors
+
+    sys.exit(run_reporting_errors(main))
