@@ -11,6 +11,8 @@ copy steps and target passes over one shared cache: medians of the drafting step
 pass, after another drafting step, and of a width-3 target pass after drafting.
 
     python bench/self_draft.py agreement --engine engines/smollm2-135m --copy int8
+    python bench/self_draft.py agreement --engine engines/smollm2-135m \
+        --answers drafters/smollm2-135m-answers.npz --sample 120     # the margin bins' priors
     python bench/self_draft.py threads --engine engines/smollm2-135m --copy int8 --repeats 2
 """
 
@@ -47,7 +49,19 @@ def agreement(args) -> dict:
 
     from ngram_replay import record_answers  # bench/ is on the path when run as a script
 
-    if args.answers:
+    if args.answers and args.answers.endswith(".npz"):  # a packed answers file (python -m export answers)
+        from export.answers import load_answers
+
+        packed = load_answers(Path(args.answers), read_manifest(args.engine))
+        n = packed.prompt_lens.shape[0]
+        pick = np.random.default_rng(0).choice(n, min(args.sample, n), replace=False) if args.sample else range(n)
+        answers = []
+        for i in pick:
+            seq = packed.tokens[packed.offsets[i]:packed.offsets[i + 1]].astype(np.int64).tolist()
+            p = int(packed.prompt_lens[i])
+            if len(seq) - p >= 2:
+                answers.append({"prompt": seq[:p], "answer": seq[p:]})
+    elif args.answers:
         answers = json.loads(Path(args.answers).read_text())
     else:
         prompts = [json.loads(line) for line in (ROOT / "bench" / "prompts.jsonl").read_text().splitlines() if line]
@@ -70,10 +84,15 @@ def agreement(args) -> dict:
     for lo, hi in ((0.0, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 1.01)):
         sel = (top >= lo) & (top < hi)
         bins[f"{lo}-{min(hi, 1.0)}"] = {"tokens": int(sel.sum()), "equal": round(float(y[sel].mean()), 3) if sel.any() else None}
+    from dspark_edge.drafters.self_draft import MARGIN_EDGES
+
+    b = np.searchsorted(MARGIN_EDGES, margin, side="right")
+    by_margin = [{"tokens": int((b == k).sum()), "equal": round(float(y[b == k].mean()), 4) if (b == k).any() else None}
+                 for k in range(len(MARGIN_EDGES) + 1)]
     target = DecoderModel(m, args.engine, m.precisions("target")[0])
     return {"copy": args.copy, "target": target.precision, "tokens": int(len(y)), "equal": round(float(y.mean()), 4),
             "auroc_margin": round(auroc(margin, y), 3), "auroc_top_probability": round(auroc(top, y), 3),
-            "equal_by_top_probability": bins, "copy_step_ms": round(step_ms(copy), 2),
+            "equal_by_top_probability": bins, "equal_by_margin_bin": by_margin, "copy_step_ms": round(step_ms(copy), 2),
             "target_step_ms": round(step_ms(target), 2)}
 
 
@@ -131,7 +150,11 @@ def main() -> int:
         p.add_argument("--engine", required=True)
         p.add_argument("--copy", default="int8", help="the drafting precision (default: int8)")
         if name == "agreement":
-            p.add_argument("--answers", default=None, help="recorded answers (JSON); default: generate them")
+            p.add_argument("--answers", default=None,
+                           help="recorded answers: JSON (bench/ngram_replay.py) or a packed .npz (python -m export "
+                                "answers); default: generate the target's answers to the benchmark prompts")
+            p.add_argument("--sample", type=int, default=0,
+                           help="with a packed file: this many answers drawn at random (seed 0; default: all)")
             p.add_argument("--max-new-tokens", type=int, default=128)
         else:
             p.add_argument("--steps", type=int, default=30, help="alternations per setting")
