@@ -10,6 +10,7 @@ from dspark_edge import ConfigError
 from dspark_edge.backends.base import BackendError
 from dspark_edge.drafters import Draft, DraftRequest
 from dspark_edge.telemetry import FakeReader
+from dspark_edge.verify import judged
 from test_speculative_tiny import PROMPTS, _check_exact, _chi2_rejects, _exact_joint
 
 
@@ -181,3 +182,101 @@ def test_with_a_fixed_length_ngram_drafts_are_used_when_they_reach_as_far(tiny_e
     assert d._use_ngram(ng([0.95, 0.95, 0.95]), 3, None, 0.0)  # 2.71 expected: as far, and free
     assert not d._use_ngram(ng([0.6, 0.6, 0.6]), 3, None, 0.0)  # 1.18 expected
     assert not d._use_ngram(ng([0.99, 0.99]), 3, None, 0.0)  # fewer than asked for
+
+
+def _flat_copy_costs(d, ms: float = 1.0) -> None:
+    """Every width of the copy's pass costs the same: a staged check of every guess pays."""
+    from dspark_edge.scheduler import CostModel
+
+    d.copy_costs = CostModel({w: ms for w in d.model.widths}, 0.0)
+
+
+def test_a_staged_check_draws_the_drafts_step_by_step_drafting_draws(tiny_engine):
+    """The copy's first pass over the pending token and the n-gram's guesses gives, for as long
+    as its draws equal the guesses, the drafts one step at a time would have given."""
+    pipe = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="ngram+self")
+    d, cache, ids = _bound(pipe, PROMPTS[11])
+    request = DraftRequest(ids, 3, 0.0, 0, 1.0)
+    length = cache.length
+    own = d._draft(request, 3, None, np.random.default_rng(0)).tokens.tolist()
+    assert len(own) == 3 and d._agreed == 0 and not d._guesses
+    wrong = (own[1] + 1) % pipe.manifest.model.vocab_size
+    for guesses, agreed in ((own[:2], 2), (own[:1], 1), ([own[0], wrong], 1), ([wrong], 0)):
+        staged = d._draft(request, 3, None, np.random.default_rng(0), guesses)
+        assert staged.tokens.tolist() == own and d._agreed == agreed, guesses
+        assert cache.length == length and d._guesses == guesses
+    assert d.staged == [4, 6, 4]
+    assert len(d.copy_costs.ratios[3]) == 2 and len(d.copy_costs.ratios[2]) == 2  # its passes are timed
+
+
+def test_how_many_guesses_the_copy_checks(tiny_engine):
+    pipe = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="ngram+self")
+    d = pipe.drafter
+    ng = lambda conf: Draft(np.arange(len(conf), dtype=np.int64), None, np.asarray(conf))  # noqa: E731
+    d.tried[:], d.accepted[:] = 1000, 1000  # the copy: always right
+    _flat_copy_costs(d)
+    assert d._stage_width(ng([0.9, 0.9, 0.9]), 4, 0.0) == 3  # a wider pass is free: all guesses
+    assert d._stage_width(ng([0.9, 0.9, 0.9]), 3, 0.0) == 2  # the chain never outgrows k
+    assert d._stage_width(ng([0.9, 0.9, 0.9]), 1, 0.0) == 0
+    from dspark_edge.scheduler import CostModel
+    d.copy_costs = CostModel({1: 10.0, 2: 11.6, 3: 18.0, 4: 26.0}, 0.0)  # a steep curve
+    assert d._stage_width(ng([0.9, 0.9, 0.9]), 4, 0.0) == 1  # 1.9 / 11.6 ms beats 2.71 / 18 and 3.44 / 26
+    assert d._stage_width(ng([0.1, 0.9, 0.9]), 4, 0.0) == 0  # 1.1 / 11.6 ms loses to 1 / 10 ms
+
+
+@pytest.mark.parametrize("seen", [
+    ((3, 3, 4, 4), (3, 3)),  # every guess agreed and accepted
+    ((3, 3, 4, 1), (2, 1)),  # the target rejected the second (agreed) guess
+    ((3, 1, 4, 3), (2, 1)),  # it accepted the copy's token where the second guess differed
+    ((3, 1, 4, 1), (1, 1)),  # it rejected that token: the second guess is not judged
+    ((3, 3, 2, 2), (2, 2)),  # only two drafts verified, both accepted
+    ((2, 0, 3, 0), (0, 0)),
+])
+def test_what_a_round_says_of_the_checked_guesses(seen):
+    from dspark_edge.drafters.self_draft import guesses_judged
+
+    args, want = seen
+    assert guesses_judged(*args) == want
+
+
+class _Guesser:
+    """An n-gram drafter stand-in proposing given tokens by answer position (a staged check
+    must keep the output exact whatever the guesses are)."""
+    name, observed_confidence = "guesses", False
+
+    def __init__(self, tokens):
+        self.tokens, self.judged = list(tokens), [0, 0]
+
+    def begin(self, prompt_ids):
+        pass
+
+    def propose(self, request, rng):
+        t = np.asarray(self.tokens[request.position:request.position + request.max_tokens], dtype=np.int64)
+        return Draft(t, None, np.full(len(t), 0.9))
+
+    def feedback(self, drafted, accepted, committed):
+        self.judged[0] += judged(drafted, accepted)
+        self.judged[1] += accepted
+
+
+def test_staged_rounds_stay_exact(plain, tiny_engine):
+    prompt = "The quick brown fox The quick brown"
+    spec = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="ngram+self")
+    d = spec.drafter
+    _flat_copy_costs(d)
+    d.tried[:], d.accepted[:] = 1000, 1000  # the n-gram drafts are never used as they are
+    for text in PROMPTS[:6]:
+        want = plain.generate(text, max_new_tokens=24, ignore_eos=True).token_ids
+        for guesses in (want, [t + 1 for t in want]):  # right and wrong guesses
+            d.ngram = _Guesser(guesses)
+            before = d.staged[0]
+            assert spec.generate(text, max_new_tokens=24, ignore_eos=True, draft_tokens=3).token_ids == want
+            assert d.staged[0] > before
+    assert d.ngram.judged[0] > 0 and d.ngram.judged[1] == 0  # the wrong guesses were judged wrong
+    # Sampled: four tokens, so that the first round may draft two and the copy checks a guess.
+    d.ngram = _Guesser(plain.generate(prompt, max_new_tokens=4, ignore_eos=True).token_ids)
+    exact = _exact_joint(spec, spec.encode_prompt(prompt), top_k=4, depth=4)
+    before = list(d.staged)
+    assert not _chi2_rejects(spec, prompt, exact, 3000, 4, depth=4, draft_tokens=2)
+    passes, guesses, agreed = (a - b for a, b in zip(d.staged, before))
+    assert passes >= 3000 and 0 < agreed < guesses  # staged rounds, with guesses drawn and not drawn

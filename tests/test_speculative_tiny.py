@@ -133,10 +133,10 @@ def _exact_joint(pipe, prompt_ids, top_k, depth=3):
     return out
 
 
-def _chi2_rejects(pipe, prompt, exact, n, top_k, **extra) -> bool:
+def _chi2_rejects(pipe, prompt, exact, n, top_k, depth=3, **extra) -> bool:
     counts = dict.fromkeys(exact, 0)
     for seed in range(n):
-        r = pipe.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=top_k, seed=seed, ignore_eos=True,
+        r = pipe.generate(prompt, max_new_tokens=depth, temperature=1.0, top_k=top_k, seed=seed, ignore_eos=True,
                           **extra)
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
     keys = [k for k in exact if exact[k] * n >= 5]

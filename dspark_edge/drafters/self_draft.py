@@ -30,6 +30,20 @@ millisecond); its drafts are used when their expected tokens per millisecond (th
 width rule on their confidences) match what drafting with the copy is expected to give, and the
 copy drafts otherwise. With a fixed draft length k, the n-gram drafts are used when there are k
 of them and their expected accepted count (the sum of their survivals) reaches the copy's.
+
+Where the copy drafts, the n-gram drafts still serve as guesses (a staged check): the copy's
+first pass runs the pending token and the first j guesses together (one pass of width j + 1
+instead of one of width 1), and its tokens are drawn from those rows in order for as long as
+each drawn token equals the guess the next row was computed after. A chain of m agreed guesses
+gives m + 1 drafts for one pass; drafting then goes on one step at a time. The drafts are the
+copy's own, drawn from the copy's distributions exactly as step-by-step drafting would draw
+them, so what the target accepts and how the drafts are distributed do not change: only the
+drafting time does. Whether a draft follows depends on the drafts before it, never on itself.
+j maximises the expected drafts per millisecond of the copy's pass (each guess survives with
+the n-gram confidence times the copy's acceptance rate), with the copy's pass cost per width
+from this device's profile (or measured when the drafter is bound) and corrected by the passes
+it times. On a 2-core AVX2 CPU an INT8 pass of width 2 costs 1.16 times one of width 1, and of
+width 4 1.9 times, so j is mostly 1 there.
 """
 
 from __future__ import annotations
@@ -46,7 +60,7 @@ from ..decoder import DecoderModel
 from ..errors import ConfigError, EngineError
 from ..manifest import Manifest, verify_role_files
 from ..sampling import coupled_pick, probs, sample
-from ..scheduler import choose_width, shifted
+from ..scheduler import CostModel, choose_width, shifted
 from ..verify import judged
 from .base import Draft, DraftRequest
 
@@ -94,6 +108,11 @@ class SelfDrafter:
         self._bins: list[int] = []  # margin bin of each draft of the latest self proposal
         self.tried = np.zeros(len(MARGIN_PRIOR))  # judged drafts per margin bin, across generations
         self.accepted = np.zeros(len(MARGIN_PRIOR))
+        self.engine_dir = engine_dir
+        self.copy_costs: CostModel | None = None  # the copy's pass ms per width (staged checks)
+        self._guesses: list[int] = []  # n-gram drafts checked by the latest self proposal's first pass
+        self._agreed = 0  # how many of them the copy drew
+        self.staged = [0, 0, 0]  # staged checks so far: passes, guesses checked, guesses the copy drew
 
     # -- the target's cache -------------------------------------------------------------------
     def bind_target(self, target: DecoderModel, cache) -> None:
@@ -108,6 +127,26 @@ class SelfDrafter:
         self._view = view(cache)
         self._target_cache = cache
         self._widths = target.widths
+        if self.ngram is not None and self.copy_costs is None:
+            self.copy_costs = CostModel(self._copy_curve(), 0.0)
+
+    def _copy_curve(self) -> dict[int, float]:
+        """The copy's pass ms per width: this device's profile of the engine, or a quick
+        measurement (about a second) where there is none or it is stale."""
+        from ..profile import load_profile, quick_verify_ms
+
+        profile, status = load_profile(self.engine_dir)
+        curve = None
+        if profile is not None and status in ("ok", "throttled"):
+            try:
+                curve = profile.verify_ms(self.precision)
+            except ConfigError:  # profiled before this precision was exported
+                curve = None
+        if curve is None:
+            log.info("self-drafting: no profile of the %s graph on this device (%s); measuring its pass cost",
+                     self.precision, status)
+            curve = quick_verify_ms(self.model)
+        return {w: ms for w, ms in curve.items() if w in self.model.widths}
 
     # -- the drafter protocol -----------------------------------------------------------------
     def begin(self, prompt_ids: Sequence[int]) -> None:
@@ -139,16 +178,38 @@ class SelfDrafter:
         if k_max < 1:
             return Draft.empty()
         cost = request.verify_cost
+        guesses: list[int] = []
         if self.ngram is not None:
             ng = self.ngram.propose(request, rng)
             if len(ng) and self._use_ngram(ng, k_max, cost, request.confidence_offset):
                 self.source = "ngram"
                 self.observed_confidence = self.ngram.observed_confidence
                 return ng
+            j = self._stage_width(ng, k_max, request.confidence_offset)
+            guesses = [int(t) for t in ng.tokens[:j]]
         self.source, self.observed_confidence = "self", True
         if cost is not None and self._self_value(k_max, cost) <= 1.0 / cost(1):
             return Draft.empty()  # drafting with the copy is not expected to pay
-        return self._draft(request, k_max, cost, rng)
+        return self._draft(request, k_max, cost, rng, guesses)
+
+    def _stage_width(self, ng: Draft, k_max: int, offset: float) -> int:
+        """How many n-gram drafts the copy's first pass checks (0: none): the j whose pass of
+        width j + 1 promises the most drafts per millisecond, a guess surviving with its n-gram
+        confidence times the copy's acceptance rate. At most k_max - 1: the chain then never
+        outgrows the drafts asked for."""
+        costs = self.copy_costs
+        if costs is None or not len(ng) or 1 not in costs.verify_ms:
+            return 0
+        conf = ng.confidence if self.ngram.observed_confidence else shifted(ng.confidence, offset)
+        alpha = self.rate
+        best_j, best = 0, 1.0 / costs.verify(1)
+        survival, expected = 1.0, 1.0
+        for i in range(1, min(len(ng), k_max - 1) + 1):
+            survival *= min(max(float(conf[i - 1]), 0.0), 1.0) * alpha
+            expected += survival
+            if i + 1 in costs.verify_ms and expected / costs.verify(i + 1) > best:
+                best_j, best = i, expected / costs.verify(i + 1)
+        return best_j
 
     def _use_ngram(self, ng: Draft, k_max: int, cost, offset: float) -> bool:
         if cost is None:  # a fixed draft length: the n-gram drafts, free, if they reach as far
@@ -164,65 +225,119 @@ class SelfDrafter:
         _, value = choose_width(conf, fits, cost)
         return value >= self._self_value(k_max, cost)
 
-    def _draft(self, request: DraftRequest, k_max: int, cost, rng: np.random.Generator) -> Draft:
+    def _draft(self, request: DraftRequest, k_max: int, cost, rng: np.random.Generator,
+               guesses: Sequence[int] = ()) -> Draft:
         cache, view = self._target_cache, self._view
+        self._guesses, self._agreed = [], 0
         if view is None or cache is None or cache.length != len(request.context) - 1:
             return Draft.empty()  # not bound to the cache this context is in (e.g. a replay)
         k_max = min(k_max, cache.free - 1)
         listed = sorted(w - 1 for w in self._widths if 1 <= w - 1 <= k_max)
         if not listed:
             return Draft.empty()
+        guesses = list(guesses)[:max(k_max - 1, 0)]
         greedy = request.temperature == 0.0
         tokens: list[int] = []
         qs: list[np.ndarray] = []
         conf: list[float] = []
         self._bins = []
         survival, expected, last_c = 1.0, 0.0, self.rate
+        staged_ms, steps = 0.0, 0  # drafting so far: the staged pass, then steps of width 1
+
+        def take(logits: np.ndarray) -> int:
+            """Draw the next draft from one row of the copy's logits; its confidence is set
+            before the draw."""
+            nonlocal survival, expected, last_c
+            q = probs(logits, 1.0 if greedy else request.temperature, 0 if greedy else request.top_k,
+                      1.0 if greedy else request.top_p)
+            top2 = np.partition(q, -2)[-2:]
+            b, c = self._confidence(float(top2[1] - top2[0]))
+            if greedy:
+                x = int(np.argmax(q))
+            else:
+                x = (sample(q, rng) if request.coupled_seed is None
+                     else coupled_pick(q, request.coupled_seed, request.position + len(tokens)))
+                qs.append(q)
+            tokens.append(x)
+            conf.append(c)
+            self._bins.append(b)
+            survival *= c
+            expected += survival
+            last_c = c
+            return x
+
         x = int(request.context[-1])
         view.length = cache.length
         try:
+            if guesses:
+                # The staged check: rows 0..j of one pass over the pending token and the guesses.
+                t = time.perf_counter()
+                rows = self.model.step(view, np.asarray([x, *guesses], dtype=np.int64)).logits
+                for i in range(len(guesses) + 1):
+                    x = take(rows[i])
+                    if i == len(guesses) or x != guesses[i]:
+                        break
+                    self._agreed += 1
+                view.commit(self._agreed + 1)  # K/V of the pending token and the agreed guesses
+                staged_ms = (time.perf_counter() - t) * 1e3
+                self.copy_costs.observe(len(guesses) + 1, staged_ms)
+                self._guesses = guesses
+                self.staged[0] += 1
+                self.staged[1] += len(guesses)
+                self.staged[2] += self._agreed
             for goal in listed:
-                if cost is not None and tokens:
+                if cost is not None and tokens and goal > len(tokens):
                     # Before drafting up to ``goal``: does the round with them promise more tokens
                     # per ms than the round as it stands? Their survivals are guessed from the
                     # last conditional confidence (they are not drawn yet).
                     d = max(self.step_ms, 1e-3)
-                    now = (1.0 + expected) / (len(tokens) * d + cost(len(tokens) + 1))
+                    spent = staged_ms + steps * d
+                    now = (1.0 + expected) / (spent + cost(len(tokens) + 1))
                     more = sum(survival * last_c ** e for e in range(1, goal - len(tokens) + 1))
-                    if (1.0 + expected + more) / (goal * d + cost(goal + 1)) <= now:
+                    if (1.0 + expected + more) / (spent + (goal - len(tokens)) * d + cost(goal + 1)) <= now:
                         break
                 while len(tokens) < goal:
                     t = time.perf_counter()
                     logits = self.model.step(view, np.array([x], dtype=np.int64)).logits[-1]
                     view.commit(1)
-                    q = probs(logits, 1.0 if greedy else request.temperature, 0 if greedy else request.top_k,
-                              1.0 if greedy else request.top_p)
-                    top2 = np.partition(q, -2)[-2:]
-                    b, c = self._confidence(float(top2[1] - top2[0]))  # before the draw
-                    if greedy:
-                        x = int(np.argmax(q))
-                    else:
-                        x = (sample(q, rng) if request.coupled_seed is None
-                             else coupled_pick(q, request.coupled_seed, request.position + len(tokens)))
-                        qs.append(q)
-                    tokens.append(x)
-                    conf.append(c)
-                    self._bins.append(b)
-                    survival *= c
-                    expected += survival
-                    last_c = c
+                    x = take(logits)
                     ms = (time.perf_counter() - t) * 1e3
+                    steps += 1
                     self.step_ms = ms if self.step_ms <= 0 else 0.8 * self.step_ms + 0.2 * ms
+                    if self.copy_costs is not None:
+                        self.copy_costs.observe(1, ms)
         finally:
             view.length = cache.length  # the copy's K/V past the committed positions are dropped
-        return Draft(np.asarray(tokens, dtype=np.int64), np.stack(qs) if qs else None,
-                     np.asarray(conf, dtype=np.float64))
+        n = min(len(tokens), k_max)
+        return Draft(np.asarray(tokens[:n], dtype=np.int64), np.stack(qs[:n]) if qs else None,
+                     np.asarray(conf[:n], dtype=np.float64))
 
     def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:
         if self.source == "ngram":
             self.ngram.feedback(drafted, accepted, committed)
             return
+        if self._guesses:  # what the round says of the n-gram drafts the copy checked
+            seen, right = guesses_judged(len(self._guesses), self._agreed, drafted, accepted)
+            if seen:
+                self.ngram.feedback(seen, right, committed)
         bins = self._bins[:drafted]
         for i in range(judged(len(bins), accepted)):
             self.tried[bins[i]] += 1
             self.accepted[bins[i]] += i < accepted
+
+
+def guesses_judged(guessed: int, agreed: int, drafted: int, accepted: int) -> tuple[int, int]:
+    """(judged, accepted) of ``guessed`` n-gram drafts of which the copy drew the first
+    ``agreed``, after the target accepted ``accepted`` of the ``drafted`` drafts it verified
+    (the copy's chain: the agreed guesses, then the copy's own tokens). A guess past the
+    agreed ones differs from the copy's token at its place, so it is judged wrong when the
+    target accepted that token and unknown when the target rejected it."""
+    if accepted < min(agreed, drafted):
+        return accepted + 1, accepted  # the target rejected an agreed guess
+    if drafted <= agreed:
+        return accepted, accepted  # all verified guesses accepted; later ones not judged
+    if agreed == guessed:
+        return guessed, guessed
+    if accepted > agreed:
+        return agreed + 1, agreed  # the target took the copy's token where the guess differed
+    return agreed, agreed
