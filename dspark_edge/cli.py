@@ -105,7 +105,8 @@ def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                         "engine's corpus n-gram table when it has one), 'ngram:online' (the table, confidences "
                         "estimated online), 'ngram:prompt' (prompt lookup alone), 'self' / 'self:<precision>' "
                         "(the engine's INT8 (or that precision's) graph drafts over the target's KV cache), "
-                        "'ngram+self' (n-gram drafts where they promise more, the copy's otherwise) or a "
+                        "'ngram+self' (n-gram drafts where they promise more, the copy's otherwise, which checks "
+                        "the n-gram drafts in its first pass) or a "
                         "draft-model engine folder (default: plain decoding)")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="verify exactly this many drafts every round (default: the scheduler chooses)")
