@@ -42,9 +42,10 @@ def load_prompts(path: str | Path | None = None) -> list[dict]:
 
 
 def bench_generation(pipe: Pipeline, prompts: list[dict], max_new_tokens: int = 128, warmup: int = 1,
-                     progress=None) -> dict:
-    """Greedy generation of exactly ``max_new_tokens`` per prompt (EOS ignored)."""
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
+                     progress=None, sampling: dict | None = None) -> dict:
+    """Generation of exactly ``max_new_tokens`` per prompt (EOS ignored): greedy, or sampled
+    with ``sampling`` (GenerationConfig fields: temperature, top_k, top_p, sampling, seed)."""
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True, **(sampling or {}))
     for rec in prompts[:warmup]:
         pipe.generate(rec.get("messages") or rec["prompt"], cfg)
     rows = []
@@ -80,11 +81,16 @@ def verify_cost_curve(target: DecoderModel, depth: int = 128, repeats: int = 15,
 
 
 def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str, object, dict]],
-                  max_new_tokens: int = 128, progress=None, passes: int = 1, seed: int = 0) -> dict:
+                  max_new_tokens: int = 128, progress=None, passes: int = 1, seed: int = 0,
+                  sampling: dict | None = None) -> dict:
     """Interleaved comparison: for each prompt, every variant (name, drafter, config overrides)
-    runs back to back, greedy, exactly ``max_new_tokens`` tokens, ``passes`` times over the
-    prompt set. The first variant is the baseline: speedups are relative to it, and ``exact``
-    counts runs whose tokens equal its tokens for the same prompt. With several passes the
+    runs back to back, exactly ``max_new_tokens`` tokens, ``passes`` times over the prompt set:
+    greedy, or sampled with ``sampling`` (GenerationConfig fields: temperature, top_k, top_p,
+    sampling), every variant of a prompt and pass with the same seed (``seed`` plus the run's
+    index). The first variant is the baseline: speedups are relative to it, and ``exact``
+    counts runs whose tokens equal its tokens for the same prompt — greedy, or with coupled
+    sampling, whose answer depends on the seed alone; rejection sampling draws other tokens by
+    design, so there it is None. With several passes the
     variants run in a new random order at every prompt (``seed``), so that none always runs
     right after the same other one, and every ratio comes with a 95 % bootstrap interval over
     the prompts (``paired``). Plain decoding (drafter None) runs on the same target session as
@@ -94,7 +100,9 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
     and gate into the other's rounds."""
     if passes < 1:
         raise ConfigError(f"passes must be at least 1, got {passes}")
-    base_cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
+    sampling = dict(sampling or {})
+    base_cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True, **sampling)
+    comparable = base_cfg.temperature == 0.0 or base_cfg.sampling == "coupled"
     rows: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
     warm = prompts[0].get("messages") or prompts[0]["prompt"]
     order_rng = np.random.default_rng(seed)
@@ -102,23 +110,24 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
     initial = pipe.scheduler  # None when the pipeline was loaded without one
     schedulers = {} if initial is None else {id(d): copy.deepcopy(initial) for _, d, _ in variants if d is not None}
 
-    def run(drafter, prompt, overrides):
+    def run(drafter, prompt, overrides, run_seed):
         pipe.drafter = drafter
         if id(drafter) in schedulers:
             pipe.scheduler = schedulers[id(drafter)]
-        return pipe.generate(prompt, base_cfg, **overrides)
+        return pipe.generate(prompt, base_cfg, seed=run_seed, **overrides)
 
     for _, drafter, overrides in variants:
-        run(drafter, warm, overrides)
+        run(drafter, warm, overrides, seed)
     done = 0
     for pass_index in range(passes):
-        for rec in prompts:
+        for i, rec in enumerate(prompts):
+            run_seed = seed + pass_index * len(prompts) + i
             prompt = rec.get("messages") or rec["prompt"]
             order = list(range(len(variants))) if passes == 1 else list(order_rng.permutation(len(variants)))
             tokens: dict[str, tuple[int, ...]] = {}
             for v in order:
                 name, drafter, overrides = variants[v]
-                r = run(drafter, prompt, overrides)
+                r = run(drafter, prompt, overrides, run_seed)
                 tokens[name] = r.token_ids
                 s = r.stats
                 rows[name].append({"id": rec["id"], "category": rec["category"], "pass": pass_index,
@@ -128,7 +137,7 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
                                    "widths": dict(s.widths)})
             baseline = tokens[variants[0][0]]
             for name in tokens:
-                rows[name][-1]["exact"] = tokens[name] == baseline
+                rows[name][-1]["exact"] = tokens[name] == baseline if comparable else None
             done += 1
             if progress:
                 progress(done, passes * len(prompts), {n: rows[n][-1]["tokens_per_s"] for n in rows})
@@ -158,7 +167,7 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
             "accepted_at_least": reach, "widths": dict(sorted(widths.items(), key=lambda kv: int(kv[0]))),
             "acceptance": round(accepted / drafted, 3) if drafted else None,
             "mean_accepted_length": round((accepted + rounds) / rounds, 3) if rounds else None,
-            "exact_prompts": f"{sum(r['exact'] for r in rs)}/{len(rs)}",
+            "exact_prompts": f"{sum(r['exact'] for r in rs)}/{len(rs)}" if comparable else None,
             "tokens_per_s_by_category": {c: round(statistics.mean(v), 2) for c, v in per_cat.items()},
         }
     pipe.drafter, pipe.scheduler = None, initial
@@ -167,7 +176,11 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
             sched = schedulers[id(drafter)]
             summary[name]["scheduler"] = {"draft_ms": round(sched.costs.draft_ms, 3),
                                           "confidence_offset": round(sched.offset, 3), "gated": sched.gated}
-    report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "passes": passes, "variants": summary}
+    report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "passes": passes,
+              "decoding": "greedy" if base_cfg.temperature == 0.0 else {
+                  "temperature": base_cfg.temperature, "top_k": base_cfg.top_k, "top_p": base_cfg.top_p,
+                  "sampling": base_cfg.sampling, "seed": seed},
+              "variants": summary}
     if passes > 1 or len(prompts) > 1:
         report["paired"] = paired_comparison(rows, variants, seed=seed)
     return report

@@ -225,6 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --drafter: passes over the prompt set, the variants in a new random order at every "
                         "prompt; each ratio then comes with a 95%% bootstrap interval over the prompts "
                         "(default: %(default)s)")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 benchmarks sampled decoding, every variant of a prompt with the "
+                        "same seed")
+    b.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (0 = off)")
+    b.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus mass (1 = off)")
+    b.add_argument("--sampling", choices=("rejection", "coupled"), default="rejection",
+                   help="with --temperature: how drafts are verified. 'coupled' makes every answer depend on its "
+                        "seed alone, so the report's exact_prompts checks speculative answers against plain ones; "
+                        "with 'rejection' (default, the library's) they differ by design and are not compared")
+    b.add_argument("--seed", type=int, default=0, help="first sampling seed (default: %(default)s)")
     b.add_argument("--json", action="store_true",
                    help="accepted for symmetry: bench always prints its report as JSON on stdout (progress on stderr)")
 
@@ -356,6 +366,13 @@ def cmd_bench(args) -> int:
         raise ConfigError(f"--passes must be at least 1, got {args.passes}")
     if args.passes > 1 and not specs:
         raise ConfigError("--passes repeats a comparison: give --drafter as well")
+    sampling = None
+    if args.temperature != 0.0:
+        sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                    "sampling": args.sampling}
+        GenerationConfig(seed=args.seed, **sampling)  # bad values fail here, before the engine loads
+    elif (args.top_k, args.top_p, args.sampling) != (0, 1.0, "rejection"):
+        raise ConfigError("--top-k, --top-p and --sampling shape sampled decoding: give --temperature > 0 as well")
     from .pipeline import has_own_model
 
     pipe = _load(args, drafter=specs[0] if specs else None, shared_threads=any(map(has_own_model, specs)))
@@ -388,10 +405,11 @@ def cmd_bench(args) -> int:
             bar.update(done, ", ".join(f"{n}: {v:.1f}" for n, v in rates.items()))
 
         report["comparison"] = bench_compare(pipe, prompts, variants, args.max_new_tokens, progress=progress_cmp,
-                                             passes=args.passes)
+                                             passes=args.passes, seed=args.seed, sampling=sampling)
         _print_paired(report["comparison"].get("paired", {}))
     else:
-        report["generation"] = bench_generation(pipe, prompts, args.max_new_tokens, progress=progress)
+        report["generation"] = bench_generation(pipe, prompts, args.max_new_tokens, progress=progress,
+                                                sampling=None if sampling is None else {**sampling, "seed": args.seed})
     bar.close()
     print("[bench] verify cost curve", file=sys.stderr, flush=True)
     report["verify_cost"] = verify_cost_curve(pipe.target, depth=args.depth, repeats=args.repeats)

@@ -89,6 +89,28 @@ def test_bench_passes_shuffle_variants_and_give_intervals(tiny_engine):
     assert bad.returncode == 2 and "--drafter" in bad.stderr
 
 
+def test_bench_samples_with_one_seed_per_prompt(tiny_engine):
+    """--temperature: sampled decoding, every variant of a prompt with the same seed; with coupled
+    sampling the answers depend on the seed alone, so speculative ones are checked against plain."""
+    common = ("bench", "--engine", str(tiny_engine), "--limit", "2", "--max-new-tokens", "8", "--repeats", "2",
+              "--depth", "16", "--drafter", "ngram:prompt", "--draft-tokens", "2", "--temperature", "0.8",
+              "--top-p", "0.9")
+    c = run(*common, "--sampling", "coupled", "--seed", "5")
+    assert c.returncode == 0, c.stderr
+    comp = json.loads(c.stdout)["comparison"]
+    assert comp["decoding"] == {"temperature": 0.8, "top_k": 0, "top_p": 0.9, "sampling": "coupled", "seed": 5}
+    assert all(v["exact_prompts"] == "2/2" for v in comp["variants"].values())
+    c = run(*common)
+    assert c.returncode == 0, c.stderr
+    comp = json.loads(c.stdout)["comparison"]
+    assert comp["decoding"]["sampling"] == "rejection"
+    assert all(v["exact_prompts"] is None for v in comp["variants"].values())  # other draws by design
+    bad = run("bench", "--engine", str(tiny_engine), "--limit", "1", "--top-p", "0.9")
+    assert bad.returncode == 2 and "--temperature" in bad.stderr
+    bad = run("bench", "--engine", str(tiny_engine), "--limit", "1", "--temperature", "0.8", "--top-p", "1.5")
+    assert bad.returncode == 2 and "top_p" in bad.stderr
+
+
 def test_bench_compares_several_drafters_in_one_run(tiny_engine, tiny_draft_self):
     c = run("bench", "--engine", str(tiny_engine), "--limit", "1", "--max-new-tokens", "8", "--repeats", "2",
             "--depth", "16", "--drafter", f"ngram:prompt,{tiny_draft_self}", "--draft-tokens", "2")
