@@ -16,27 +16,55 @@ def probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float =
     temperature > 0; top_k = 0 and top_p = 1 disable those filters. Filtered-out tokens get
     probability exactly 0.
     """
-    with np.errstate(over="ignore"):  # a tiny temperature may overflow: handled below
-        z = logits.astype(np.float64) / temperature
+    z = logits.astype(np.float64)
     vocab = z.shape[-1]
-    if 0 < top_k < vocab:
-        kth = np.partition(z, vocab - top_k)[vocab - top_k]
-        z = np.where(z >= kth, z, -np.inf)
-    top = z.max()
-    if not np.isfinite(top):  # overflow: the limit as temperature -> 0 is the argmax (ties share)
-        p = (logits == logits.max()).astype(np.float64)
-    else:
-        p = np.exp(z - top)
+    # A tiny temperature may overflow (handled below); z - top may then overflow to -inf: exp 0.
+    with np.errstate(over="ignore"):
+        z /= temperature
+        top = z.max()
+        if not np.isfinite(top):  # overflow: the limit as temperature -> 0 is the argmax (ties share)
+            p = (logits == logits.max()).astype(np.float64)
+            if 0 < top_k < vocab:
+                p = np.where(z >= np.partition(z, vocab - top_k)[vocab - top_k], p, 0.0)
+        elif 0 < top_k < vocab:  # exp of the k kept entries only; the others are exactly 0
+            kept = np.flatnonzero(z >= np.partition(z, vocab - top_k)[vocab - top_k])
+            p = np.zeros_like(z)
+            p[kept] = np.exp(z[kept] - top)
+        else:
+            z -= top
+            p = np.exp(z, out=z)
     p /= p.sum()
     if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        keep = int(np.searchsorted(cum, top_p, side="left")) + 1  # smallest prefix with mass >= top_p
+        order = _nucleus(p, top_p)
         mask = np.zeros_like(p, dtype=bool)
-        mask[order[:keep]] = True
+        mask[order] = True
         p = np.where(mask, p, 0.0)
         p /= p.sum()
     return p
+
+
+def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
+    """The smallest set of most likely tokens with mass >= ``top_p`` (ties in index order):
+    the prefix of a stable sort of ``p`` by decreasing probability, found by sorting only a
+    set of candidates that holds it — the 64 largest entries (with their ties), else every
+    entry of at least (1 - top_p) / V (the rest have mass below 1 - top_p together), else
+    every entry with mass (at most 64 after top-k, say). The candidates come first in the full sort, in the same order, so
+    the prefix and its cumulative sums are the full sort's, bit for bit; a full sort of a 49k
+    vocabulary costs several ms a token."""
+    vocab = p.shape[0]
+    tries = []
+    if np.count_nonzero(p) > 64:  # (after top-k, often not: then a partition of zeros is only slow)
+        t = np.partition(p, vocab - 64)[vocab - 64]  # the 64th largest
+        tries.append(np.flatnonzero(p >= t))
+        tries.append(np.flatnonzero(p >= (1.0 - top_p) / vocab))
+    tries.append(np.flatnonzero(p > 0))  # after rounding, the positive entries hold it all
+    for i, cand in enumerate(tries):
+        order = cand[np.argsort(-p[cand], kind="stable")]
+        cum = np.cumsum(p[order])
+        if cum[-1] >= top_p or i == len(tries) - 1:
+            # Past the last positive entry only zeros follow, which the mask leaves at zero anyway.
+            return order[:min(int(np.searchsorted(cum, top_p, side="left")) + 1, order.shape[0])]
+    raise AssertionError("unreachable")
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
