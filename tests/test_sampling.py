@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -62,31 +65,13 @@ def test_temperature_scales_logits(t):
     np.testing.assert_allclose(probs(logits, t), expected, rtol=1e-6)
 
 
-def _probs_by_full_sort(logits, temperature, top_k=0, top_p=1.0):
-    """The filter as plainly written: top-p over a full stable sort of the vocabulary."""
-    with np.errstate(over="ignore"):
-        z = logits.astype(np.float64) / temperature
-    vocab = z.shape[-1]
-    if 0 < top_k < vocab:
-        z = np.where(z >= np.partition(z, vocab - top_k)[vocab - top_k], z, -np.inf)
-    top = z.max()
-    with np.errstate(over="ignore"):
-        p = np.exp(z - top) if np.isfinite(top) else (logits == logits.max()).astype(np.float64)
-    p /= p.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        keep = int(np.searchsorted(np.cumsum(p[order]), top_p, side="left")) + 1
-        mask = np.zeros_like(p, dtype=bool)
-        mask[order[:keep]] = True
-        p = np.where(mask, p, 0.0)
-        p /= p.sum()
-    return p
-
-
 def test_probs_equal_the_full_sort_bit_for_bit():
     """``probs`` sorts only candidates that hold the nucleus (a full sort of a 49k vocabulary cost
     8 ms a token); its output must be the plainly written filter's, exactly: peaked and flat
     distributions, ties, top-k, overflowing temperatures, vocabularies small and large."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from sampling_cost import probs_by_full_sort
+
     rng = np.random.default_rng(0)
     for trial in range(1500):
         vocab = int(rng.choice([3, 64, 65, 700, 5000])) if trial % 25 else 49152
@@ -98,6 +83,6 @@ def test_probs_equal_the_full_sort_bit_for_bit():
         temperature = float(rng.choice([0.3, 0.7, 1.0, 2.0, 1e-308]))
         top_k = int(rng.choice([0, 0, 1, 3, 50, 80]))
         top_p = float(rng.choice([0.1, 0.5, 0.9, 0.95, 0.999999, 1.0]))
-        want = _probs_by_full_sort(logits, temperature, top_k, top_p)
+        want = probs_by_full_sort(logits, temperature, top_k, top_p)
         got = probs(logits, temperature, top_k, top_p)
         assert np.array_equal(got, want), (trial, vocab, temperature, top_k, top_p)
