@@ -67,6 +67,22 @@ def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
     raise AssertionError("unreachable")
 
 
+def top_margin(p: np.ndarray) -> tuple[int, float]:
+    """The most likely token of a distribution and its lead over the second: p[top] minus the
+    largest other entry (0 for a tie)."""
+    i = int(np.argmax(p))
+    return i, float(p[i] - max(p[:i].max(initial=0.0), p[i + 1:].max(initial=0.0)))
+
+
+def greedy_margin(logits: np.ndarray) -> tuple[int, float]:
+    """``top_margin(probs(logits, 1.0))`` at a quarter of the cost, for greedy drafting: the
+    softmax in float32 (margins agree to about 1e-6; the token is the same argmax)."""
+    i = int(np.argmax(logits))
+    e = np.exp(logits - logits[i], dtype=np.float32)
+    lead = 1.0 - max(e[:i].max(initial=0.0), e[i + 1:].max(initial=0.0))
+    return i, float(lead / e.sum(dtype=np.float64))
+
+
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """One draw from the distribution ``p`` ([V], sums to 1)."""
     u = rng.random()

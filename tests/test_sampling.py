@@ -86,3 +86,19 @@ def test_probs_equal_the_full_sort_bit_for_bit():
         want = probs_by_full_sort(logits, temperature, top_k, top_p)
         got = probs(logits, temperature, top_k, top_p)
         assert np.array_equal(got, want), (trial, vocab, temperature, top_k, top_p)
+
+
+def test_greedy_margin_is_the_margin_of_the_distribution():
+    from dspark_edge.sampling import greedy_margin, top_margin
+
+    rng = np.random.default_rng(1)
+    for trial in range(200):
+        logits = (rng.standard_normal(int(rng.choice([2, 100, 49152]))) * rng.choice([0.3, 2.0, 6.0])).astype(np.float32)
+        if trial % 4 == 0:
+            logits[-2:] = logits.max() + rng.choice([0.0, 1e-3, 2.0])  # a tie or a near tie at the top
+        token, margin = greedy_margin(logits)
+        want_token, want_margin = top_margin(probs(logits, 1.0))
+        assert token == want_token == int(np.argmax(logits))
+        assert abs(margin - want_margin) < 1e-6
+    assert top_margin(np.array([0.4, 0.4, 0.2])) == (0, 0.0)
+    assert top_margin(np.array([0.1, 0.2, 0.7])) == (2, pytest.approx(0.5))

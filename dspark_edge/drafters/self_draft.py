@@ -59,7 +59,7 @@ from ..backends import BackendOptions
 from ..decoder import DecoderModel
 from ..errors import ConfigError, EngineError
 from ..manifest import Manifest, verify_role_files
-from ..sampling import coupled_pick, probs, sample
+from ..sampling import coupled_pick, greedy_margin, probs, sample, top_margin
 from ..scheduler import CostModel, choose_width, shifted
 from ..verify import judged
 from .base import Draft, DraftRequest
@@ -248,13 +248,12 @@ class SelfDrafter:
             """Draw the next draft from one row of the copy's logits; its confidence is set
             before the draw."""
             nonlocal survival, expected, last_c
-            q = probs(logits, 1.0 if greedy else request.temperature, 0 if greedy else request.top_k,
-                      1.0 if greedy else request.top_p)
-            i = int(np.argmax(q))  # top-1 minus top-2 (a partition of a top-p q, mostly zeros, is slow)
-            b, c = self._confidence(float(q[i] - max(q[:i].max(initial=0.0), q[i + 1:].max(initial=0.0))))
             if greedy:
-                x = int(np.argmax(q))
+                x, margin = greedy_margin(logits)
+                b, c = self._confidence(margin)
             else:
+                q = probs(logits, request.temperature, request.top_k, request.top_p)
+                b, c = self._confidence(top_margin(q)[1])  # before the draw
                 x = (sample(q, rng) if request.coupled_seed is None
                      else coupled_pick(q, request.coupled_seed, request.position + len(tokens)))
                 qs.append(q)
