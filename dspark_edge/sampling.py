@@ -48,9 +48,9 @@ def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
     the prefix of a stable sort of ``p`` by decreasing probability, found by sorting only a
     set of candidates that holds it — the 64 largest entries (with their ties), else every
     entry of at least (1 - top_p) / V (the rest have mass below 1 - top_p together), else
-    every entry with mass (at most 64 after top-k, say). The candidates come first in the full sort, in the same order, so
-    the prefix and its cumulative sums are the full sort's, bit for bit; a full sort of a 49k
-    vocabulary costs several ms a token."""
+    every entry with mass (after top-k often 64 or fewer). The candidates come first in the
+    full sort, in the same order, so the prefix and its cumulative sums are the full sort's,
+    bit for bit; a full sort of a 49k vocabulary costs several ms a token."""
     vocab = p.shape[0]
     tries = []
     if np.count_nonzero(p) > 64:  # (after top-k, often not: then a partition of zeros is only slow)

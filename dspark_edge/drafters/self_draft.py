@@ -42,8 +42,9 @@ drafting time does. Whether a draft follows depends on the drafts before it, nev
 j maximises the expected drafts per millisecond of the copy's pass (each guess survives with
 the n-gram confidence times the copy's acceptance rate), with the copy's pass cost per width
 from this device's profile (or measured when the drafter is bound) and corrected by the passes
-it times. On a 2-core AVX2 CPU an INT8 pass of width 2 costs 1.16 times one of width 1, and of
-width 4 1.9 times, so j is mostly 1 there.
+it times. On a 2-core AVX2 CPU an INT8 pass of width 2 costs 1.16 (64 positions cached) to 1.43
+(256) times one of width 1, so the check gains little there (docs/PERFORMANCE.md); where a wider
+pass costs about what a narrow one does, a replay puts the gain near 10 %.
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ class SelfDrafter:
             return Draft.empty()
         cost = request.verify_cost
         guesses: list[int] = []
+        self._guesses, self._agreed = [], 0
         if self.ngram is not None:
             ng = self.ngram.propose(request, rng)
             if len(ng) and self._use_ngram(ng, k_max, cost, request.confidence_offset):
