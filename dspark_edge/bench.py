@@ -100,8 +100,7 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
     and gate into the other's rounds."""
     if passes < 1:
         raise ConfigError(f"passes must be at least 1, got {passes}")
-    sampling = dict(sampling or {})
-    base_cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True, **sampling)
+    base_cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True, **(sampling or {}))
     comparable = base_cfg.temperature == 0.0 or base_cfg.sampling == "coupled"
     rows: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
     warm = prompts[0].get("messages") or prompts[0]["prompt"]

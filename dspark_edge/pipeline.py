@@ -118,20 +118,13 @@ class Pipeline:
     def enable_scheduler(self, config: SchedulerConfig, telemetry: Reader | None = None, make_drafter=None) -> None:
         """Cost curve from this device's profile (or a quick measurement when there is none or
         it is stale), telemetry sampled in the background."""
-        from .profile import load_profile, quick_verify_ms
+        from .profile import cost_curve
         from .telemetry import SystemReader
 
-        prof, status = load_profile(self.engine_dir)
+        verify, status = cost_curve(self.target, self.engine_dir)
         self.profile_status = status
-        if prof is not None and status in ("ok", "throttled"):
-            verify = prof.verify_ms(self.target.precision)
-            if status == "throttled":
-                log.warning("the device profile was measured while throttled; costs are corrected online")
-        else:
-            log.info("device profile %s: measuring the verify curve now (run `python -m dspark_edge profile "
-                     "--engine %s` to keep one)", status, self.engine_dir)
-            verify = quick_verify_ms(self.target)
-        verify = {w: ms for w, ms in verify.items() if w in self.target.widths}
+        if status == "throttled":
+            log.warning("the device profile was measured while throttled; costs are corrected online")
         self.scheduler = Scheduler(CostModel(verify, 0.0, config.cost_window, config.min_observations),
                                    self.target.widths, config)
         self._sampler = Sampler(telemetry or SystemReader())

@@ -264,6 +264,20 @@ def quick_verify_ms(model, context: int = 128) -> dict[int, float]:
     return verify_curve_ms(model, depth=min(context, model.capacity // 2))
 
 
+def cost_curve(model, engine_dir: str | Path) -> tuple[dict[int, float], str]:
+    """Pass ms per listed width of ``model`` (one precision of ``engine_dir``) from this
+    device's profile, or measured now (about a second) where there is none or it is stale;
+    and the profile's status (``load_profile``)."""
+    prof, status = load_profile(engine_dir)
+    if prof is not None and status in ("ok", "throttled"):
+        curve = prof.verify_ms(model.precision)
+    else:
+        log.info("device profile %s: measuring the %s pass cost now (run `python -m dspark_edge profile "
+                 "--engine %s` to keep one)", status, model.precision, engine_dir)
+        curve = quick_verify_ms(model)
+    return {w: ms for w, ms in curve.items() if w in model.widths}, status
+
+
 def profiles_dir() -> Path:
     env = os.environ.get("DSPARK_PROFILES")
     return Path(env) if env else DEFAULT_DIR

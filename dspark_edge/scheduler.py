@@ -68,7 +68,8 @@ def survival(confidence) -> np.ndarray:
 def choose_width(confidence, widths: Sequence[int], cost, early_stop: bool = True) -> tuple[int, float]:
     """(verify width, expected tokens per unit cost). ``widths`` are the listed verify widths
     (1 must be among them), ``cost(w)`` the round cost at width w. ``early_stop=False`` is the
-    retrospective global search, kept only to show (in tests) why it is not lossless."""
+    retrospective global search: not lossless for a verify width (tests show why), used only
+    where the choice cannot change what is drafted (the self drafter's staged check)."""
     c, a = _survival(confidence)
     listed = sorted(w for w in widths if w - 1 <= len(c))
     if not listed or listed[0] != 1:

@@ -128,26 +128,10 @@ class SelfDrafter:
         self._view = view(cache)
         self._target_cache = cache
         self._widths = target.widths
-        if self.ngram is not None and self.copy_costs is None:
-            self.copy_costs = CostModel(self._copy_curve(), 0.0)
+        if self.ngram is not None and self.copy_costs is None:  # the staged check's pass costs
+            from ..profile import cost_curve
 
-    def _copy_curve(self) -> dict[int, float]:
-        """The copy's pass ms per width: this device's profile of the engine, or a quick
-        measurement (about a second) where there is none or it is stale."""
-        from ..profile import load_profile, quick_verify_ms
-
-        profile, status = load_profile(self.engine_dir)
-        curve = None
-        if profile is not None and status in ("ok", "throttled"):
-            try:
-                curve = profile.verify_ms(self.precision)
-            except ConfigError:  # profiled before this precision was exported
-                curve = None
-        if curve is None:
-            log.info("self-drafting: no profile of the %s graph on this device (%s); measuring its pass cost",
-                     self.precision, status)
-            curve = quick_verify_ms(self.model)
-        return {w: ms for w, ms in curve.items() if w in self.model.widths}
+            self.copy_costs = CostModel(cost_curve(self.model, self.engine_dir)[0], 0.0)
 
     # -- the drafter protocol -----------------------------------------------------------------
     def begin(self, prompt_ids: Sequence[int]) -> None:
@@ -198,20 +182,16 @@ class SelfDrafter:
         """How many n-gram drafts the copy's first pass checks (0: none): the j whose pass of
         width j + 1 promises the most drafts per millisecond, a guess surviving with its n-gram
         confidence times the copy's acceptance rate. At most k_max - 1: the chain then never
-        outgrows the drafts asked for."""
+        outgrows the drafts asked for. Every width is scanned (no early stop): the drafts are the
+        copy's whatever j is, so the choice does not touch what the target accepts."""
         costs = self.copy_costs
-        if costs is None or not len(ng) or 1 not in costs.verify_ms:
+        n = min(len(ng), k_max - 1)
+        if costs is None or n < 1 or 1 not in costs.verify_ms:
             return 0
         conf = ng.confidence if self.ngram.observed_confidence else shifted(ng.confidence, offset)
-        alpha = self.rate
-        best_j, best = 0, 1.0 / costs.verify(1)
-        survival, expected = 1.0, 1.0
-        for i in range(1, min(len(ng), k_max - 1) + 1):
-            survival *= min(max(float(conf[i - 1]), 0.0), 1.0) * alpha
-            expected += survival
-            if i + 1 in costs.verify_ms and expected / costs.verify(i + 1) > best:
-                best_j, best = i, expected / costs.verify(i + 1)
-        return best_j
+        guessed = np.clip(np.asarray(conf[:n], dtype=np.float64), 0.0, 1.0) * self.rate
+        width, _ = choose_width(guessed, list(costs.verify_ms), costs.verify, early_stop=False)
+        return width - 1
 
     def _use_ngram(self, ng: Draft, k_max: int, cost, offset: float) -> bool:
         if cost is None:  # a fixed draft length: the n-gram drafts, free, if they reach as far
