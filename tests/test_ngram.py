@@ -98,3 +98,26 @@ def test_confidence_is_learned_per_match_length():
     long_c = d.propose(DraftRequest(long_ctx, 4, 0.0, 0, 1.0), rng).confidence
     short_c = d.propose(DraftRequest(short_ctx, 4, 0.0, 0, 1.0), rng).confidence
     assert long_c[0] > 0.9 and short_c[0] < 0.1
+
+
+def test_extend_continues_past_drafts_and_leaves_the_state_as_it_was():
+    """``extend`` looks up a continuation of another drafter's (uncommitted) drafts as
+    ``propose`` would were they committed, without indexing them or changing what the next
+    round's proposal reads; ``feedback_extension`` judges those drafts by their match length."""
+    d = NgramDrafter()
+    ctx = [1, 2, 3, 4, 5, 6, 1, 2]  # the last token is the pending one
+    d.begin(ctx[:-1])
+    rng = np.random.default_rng(0)
+    assert d.propose(DraftRequest(ctx, 4, 0.0, 0, 1.0), rng).tokens.tolist() == [3, 4, 5, 6]
+    state = (list(d._ctx), {n: dict(i) for n, i in d._index.items()}, d._previous, d._last_n)
+    ext = d.extend([3, 4], 3)  # "1 2 3 4" seen before: 5 6, then what followed 6
+    assert ext.tokens.tolist() == [5, 6, 1] and ext.confidence.shape == (3,)
+    assert d._ext_n == 4
+    assert not len(d.extend([9, 9], 3))  # nothing continues an unseen token
+    assert (list(d._ctx), {n: dict(i) for n, i in d._index.items()}, d._previous, d._last_n) == state
+    d.extend([3, 4], 3)
+    d.feedback_extension(3, 1)  # the first accepted, the second rejected
+    assert d.stats[4].tried[:3].tolist() == [1, 1, 0] and d.stats[4].accepted[:2].tolist() == [1, 0]
+    assert d.stats[2].tried.sum() == 0  # the round's own proposal (a 2-token match) is judged apart
+    d.feedback(4, 4, ctx + [3, 4, 5, 6])
+    assert d.stats[2].tried[:4].tolist() == [1, 1, 1, 1]

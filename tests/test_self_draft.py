@@ -185,10 +185,12 @@ def test_with_a_fixed_length_ngram_drafts_are_used_when_they_reach_as_far(tiny_e
 
 
 def _flat_copy_costs(d, ms: float = 1.0) -> None:
-    """Every width of the copy's pass costs the same: a staged check of every guess pays."""
+    """Every width of the copy's pass costs the same: a staged check of every guess pays. The
+    passes' timings scale the curve as a whole but never bend it (no width reaches ``min_obs``),
+    so a slow pass on a busy machine cannot tip a choice."""
     from dspark_edge.scheduler import CostModel
 
-    d.copy_costs = CostModel({w: ms for w in d.model.widths}, 0.0)
+    d.copy_costs = CostModel({w: ms for w in d.model.widths}, 0.0, min_obs=10**9)
 
 
 def test_a_staged_check_draws_the_drafts_step_by_step_drafting_draws(tiny_engine):
@@ -244,19 +246,34 @@ class _Guesser:
     must keep the output exact whatever the guesses are)."""
     name, observed_confidence = "guesses", False
 
-    def __init__(self, tokens):
-        self.tokens, self.judged = list(tokens), [0, 0]
+    def __init__(self, tokens, extend: bool = False, propose: bool = True):
+        self.tokens, self.judged, self.can_extend, self.proposes = list(tokens), [0, 0], extend, propose
+        self.position, self.extended = 0, [0, 0]
 
     def begin(self, prompt_ids):
         pass
 
     def propose(self, request, rng):
+        self.position = request.position
+        if not self.proposes:
+            return Draft.empty()
         t = np.asarray(self.tokens[request.position:request.position + request.max_tokens], dtype=np.int64)
+        return Draft(t, None, np.full(len(t), 0.9))
+
+    def extend(self, drafts, k):
+        if not self.can_extend:
+            return Draft.empty()
+        start = self.position + len(drafts)
+        t = np.asarray(self.tokens[start:start + k], dtype=np.int64)
         return Draft(t, None, np.full(len(t), 0.9))
 
     def feedback(self, drafted, accepted, committed):
         self.judged[0] += judged(drafted, accepted)
         self.judged[1] += accepted
+
+    def feedback_extension(self, drafted, accepted):
+        self.extended[0] += judged(drafted, accepted)
+        self.extended[1] += accepted
 
 
 def test_staged_rounds_stay_exact(plain, tiny_engine):
@@ -280,3 +297,78 @@ def test_staged_rounds_stay_exact(plain, tiny_engine):
     assert not _chi2_rejects(spec, prompt, exact, 3000, 4, depth=4, draft_tokens=2)
     passes, guesses, agreed = (a - b for a, b in zip(d.staged, before))
     assert passes >= 3000 and 0 < agreed < guesses  # staged rounds, with guesses drawn and not drawn
+
+
+def _dear_passes(pipe, ms: float = 10.0):
+    """The scheduler sees a device whose target pass costs ``ms`` at every width (the tiny
+    model's cost a fraction of a millisecond, less than a drafting step: nothing would be
+    worth drafting)."""
+    pipe.scheduler.costs.verify = lambda width: ms
+    return pipe
+
+
+def test_the_copy_stops_where_ngram_drafts_continue_it(tiny_engine):
+    """With the scheduler, drafting with the copy stops early where n-gram drafts continuing
+    it promise more tokens per ms than further steps of the copy; they follow its drafts."""
+    pipe = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="ngram+self")
+    d, _, ids = _bound(pipe, PROMPTS[9])
+    flat = {w: 10.0 for w in pipe.target.widths}.__getitem__
+    request = DraftRequest(ids, 3, 0.0, 0, 1.0, verify_cost=flat)
+    d.tried[:], d.accepted[:] = 1000, 900  # the copy: 90 % of its drafts accepted
+    d.ngram = _Guesser([], extend=False, propose=False)
+    d.step_ms = 1.0
+    own = d.propose(request, np.random.default_rng(0))
+    assert len(own) == 3 and d._copied == 3  # nothing continues it: the copy drafts all three
+    d.ngram = _Guesser([11, 12, 13, 14], extend=True, propose=False)  # the continuation of answer position i
+    d.step_ms = 1.0
+    ext = d.propose(request, np.random.default_rng(0))
+    # After one draft: (1 + 0.9 + 0.81 + 0.73) / (1 + 10 ms) beats a second step of the copy.
+    assert d._copied == 1 and len(ext) == 3 and ext.tokens[0] == own.tokens[0]
+    assert ext.tokens[1:].tolist() == [12, 13]  # request.position is 0: positions 1 and 2
+    np.testing.assert_allclose(ext.confidence[1:], [0.9, 0.9])
+    assert ext.q is None and d.extended == [1, 2]
+
+
+def test_ngram_drafts_continue_the_copys(plain, tiny_engine):
+    """After the copy's drafts, n-gram drafts that continue them (right or wrong ones) keep the
+    greedy output exact: with a fixed length, where they complete it (they promise more than the
+    copy drafting the rest), and with the scheduler, which verifies as many as pay."""
+    fixed = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="ngram+self")
+    auto = _dear_passes(dspark_edge.load(tiny_engine, "fp32", drafter="ngram+self", telemetry=FakeReader()))
+    for pipe, extra in ((fixed, {"draft_tokens": 3}), (auto, {})):
+        d = pipe.drafter
+        d.tried[:], d.accepted[:] = 1000, 400  # the copy: 40 % of its drafts accepted
+        d.step_ms = 1e-3  # drafting with it is cheap: it drafts every round
+        for text in PROMPTS[:4]:
+            want = plain.generate(text, max_new_tokens=24, ignore_eos=True).token_ids
+            for right in (True, False):
+                d.ngram = _Guesser(want if right else [t + 1 for t in want], extend=True, propose=False)
+                before = list(d.extended)
+                r = pipe.generate(text, max_new_tokens=24, ignore_eos=True, **extra)
+                assert r.token_ids == want, (text, right, extra)
+                assert d.extended[0] > before[0] and d.ngram.extended[0] > 0
+                # The continuations were judged: the right ones accepted, the wrong ones never.
+                assert (d.ngram.extended[1] > 0) == right
+
+
+def test_sampled_rounds_with_ngram_continuations_follow_the_target(tiny_engine):
+    """Under rejection sampling an n-gram draft after the copy's is drawn from a point mass at
+    itself; output still follows the target's distribution, with a fixed length and with the
+    scheduler choosing the width."""
+    prompt = "The quick brown fox The quick brown"
+    plain = dspark_edge.load(tiny_engine, "fp32")
+    # The greedy answer by position: likely tokens under the target (a continuation the target
+    # never samples would be rejected whatever its distribution were taken to be).
+    guesses = plain.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids
+    for pipe, extra in ((dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="ngram+self"),
+                         {"draft_tokens": 2}),
+                        (_dear_passes(dspark_edge.load(tiny_engine, "fp32", drafter="ngram+self",
+                                                       telemetry=FakeReader())), {})):
+        d = pipe.drafter
+        d.tried[:], d.accepted[:] = 1000, 400
+        d.step_ms = 1e-3
+        d.ngram = _Guesser(guesses, extend=True, propose=False)
+        exact = _exact_joint(pipe, pipe.encode_prompt(prompt), top_k=4, depth=4)
+        before = list(d.extended)
+        assert not _chi2_rejects(pipe, prompt, exact, 3000, 4, depth=4, **extra)
+        assert d.extended[0] - before[0] >= 1000, d.extended

@@ -139,6 +139,8 @@ class NgramDrafter:
         self.table_stats = self._new_table_stats()
         self._last_n: int | None = None  # match length behind the latest proposal
         self._last_buckets: list[tuple[int, int]] | None = None  # the latest table proposal's buckets
+        self._ext_n: int | None = None  # the same two of the latest ``extend``
+        self._ext_buckets: list[tuple[int, int]] | None = None
         self._ctx: list[int] = []
         self._index: dict[int, dict[tuple[int, ...], int]] = {}
         self._indexed = 0  # n-grams ending before this position are indexed
@@ -219,7 +221,31 @@ class NgramDrafter:
         self._last_n, self._last_buckets, self.last_features = None, None, None
         if k < 1:
             return Draft.empty()
-        on_track = self._on_track(ctx) if self.record_features else None
+        draft, self._last_n, self._last_buckets, self.last_features = self._lookup(
+            ctx, k, self._on_track(ctx) if self.record_features else None)
+        self._previous = (len(ctx), draft.tokens.tolist())
+        return draft
+
+    def extend(self, drafts: Sequence[int], k: int) -> Draft:
+        """Up to ``k`` drafts continuing ``drafts``: tokens proposed after the context of the
+        latest ``propose`` (another drafter's, not committed), looked up as ``propose`` would
+        look them up were they committed, except that n-grams inside them are not indexed. The
+        drafter's state is left as ``propose`` set it (the drafts are not indexed, and the next
+        round's "on track" still reads the latest proposal); ``feedback_extension`` takes the
+        outcome of these drafts. For "whether the previous proposal had predicted the pending
+        token", the latest proposal is read against ``drafts``."""
+        self._ext_n, self._ext_buckets = None, None
+        k = min(k, self.max_tokens)
+        if k < 1 or not self._ctx:
+            return Draft.empty()
+        ctx = self._ctx + [int(t) for t in drafts]
+        draft, self._ext_n, self._ext_buckets, _ = self._lookup(
+            ctx, k, self._on_track(ctx) if self.record_features else None)
+        return draft
+
+    def _lookup(self, ctx: list[int], k: int, on_track: bool | None):
+        """(draft, match length, table buckets, model inputs) continuing ``ctx``; the lengths
+        and buckets say which acceptance counts the outcome of the draft goes to."""
         match = self._match(ctx)
         conv = self._copy(ctx, match[1], k) if match is not None else []
         # The table is looked up when it may draft, or to tell whether it agrees.
@@ -236,31 +262,37 @@ class NgramDrafter:
         elif match is not None:
             tokens, other = conv, (found.tokens if found is not None else [])
         else:
-            self._previous = (len(ctx), [])
-            return Draft.empty()
-        self._previous = (len(ctx), list(tokens))
+            return Draft.empty(), None, None, None
+        x = None
         if self.record_features:
             agree = [i < len(other) and other[i] == t for i, t in enumerate(tokens)]
             if use_table:
                 x = draft_features(True, found.context_lengths, found.shares, found.counts, agree, on_track)
             else:
                 x = draft_features(False, [match[0]] * len(tokens), [], [], agree, on_track)
-            self.last_features = x
+        last_n, buckets = None, None
         if self.weights is not None:
-            conf = np.clip(1.0 / (1.0 + np.exp(-(self.last_features @ self.weights))), 0.01, 0.99)
+            conf = np.clip(1.0 / (1.0 + np.exp(-(x @ self.weights))), 0.01, 0.99)
         elif use_table:
             buckets = [(n, int(np.searchsorted(SHARE_BINS, share, side="right")))
                        for n, share in zip(found.context_lengths, found.shares)]
-            self._last_buckets = buckets
             conf = np.asarray([self.table_stats[b].rate for b in buckets], dtype=np.float64)
         else:
-            self._last_n = match[0]
+            last_n = match[0]
             conf = self.stats[match[0]].confidence(k)
-        return Draft(np.asarray(tokens, dtype=np.int64), None, np.asarray(conf, dtype=np.float64))
+        return Draft(np.asarray(tokens, dtype=np.int64), None, np.asarray(conf, dtype=np.float64)), last_n, buckets, x
 
     def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:
-        if drafted and self._last_n is not None:
-            self.stats[self._last_n].update(drafted, accepted)
-        elif drafted and self._last_buckets is not None:
-            for i, bucket in enumerate(self._last_buckets[:min(drafted, accepted + 1)]):
+        self._judge(self._last_n, self._last_buckets, drafted, accepted)
+
+    def feedback_extension(self, drafted: int, accepted: int) -> None:
+        """The outcome of the latest ``extend``'s drafts: ``drafted`` of them verified, the first
+        ``accepted`` kept."""
+        self._judge(self._ext_n, self._ext_buckets, drafted, accepted)
+
+    def _judge(self, n: int | None, buckets: list[tuple[int, int]] | None, drafted: int, accepted: int) -> None:
+        if drafted and n is not None:
+            self.stats[n].update(drafted, accepted)
+        elif drafted and buckets is not None:
+            for i, bucket in enumerate(buckets[:min(drafted, accepted + 1)]):
                 self.table_stats[bucket].update(i < accepted)

@@ -111,9 +111,12 @@ class SelfDrafter:
         self.accepted = np.zeros(len(MARGIN_PRIOR))
         self.engine_dir = engine_dir
         self.copy_costs: CostModel | None = None  # the copy's pass ms per width (staged checks)
+        self.target_ms: dict[int, float] = {}  # the target's pass ms per width (a fixed length's fill)
         self._guesses: list[int] = []  # n-gram drafts checked by the latest self proposal's first pass
+        self._copied = 0  # drafts of the latest self proposal that the copy drew; the n-gram's follow
         self._agreed = 0  # how many of them the copy drew
         self.staged = [0, 0, 0]  # staged checks so far: passes, guesses checked, guesses the copy drew
+        self.extended = [0, 0]  # proposals the n-gram drafts extended, and their drafts
 
     # -- the target's cache -------------------------------------------------------------------
     def bind_target(self, target: DecoderModel, cache) -> None:
@@ -132,6 +135,7 @@ class SelfDrafter:
             from ..profile import cost_curve
 
             self.copy_costs = CostModel(cost_curve(self.model, self.engine_dir)[0], 0.0)
+            self.target_ms = cost_curve(target, self.engine_dir)[0]
 
     # -- the drafter protocol -----------------------------------------------------------------
     def begin(self, prompt_ids: Sequence[int]) -> None:
@@ -178,6 +182,17 @@ class SelfDrafter:
             return Draft.empty()  # drafting with the copy is not expected to pay
         return self._draft(request, k_max, cost, rng, guesses)
 
+    def _extension(self, tokens: Sequence[int], room: int, offset: float) -> Draft:
+        """The n-gram drafts continuing the copy's ``tokens`` (at most ``room``), their
+        confidences as the scheduler would shift them."""
+        if self.ngram is None or room < 1 or not tokens:
+            return Draft.empty()
+        ext = self.ngram.extend(tokens, room)
+        if not len(ext):
+            return ext
+        conf = ext.confidence if self.ngram.observed_confidence else shifted(ext.confidence, offset)
+        return Draft(ext.tokens, None, np.clip(np.asarray(conf, dtype=np.float64), 0.0, 1.0))
+
     def _stage_width(self, ng: Draft, k_max: int, offset: float) -> int:
         """How many n-gram drafts the copy's first pass checks (0: none): the j whose pass of
         width j + 1 promises the most drafts per millisecond, a guess surviving with its n-gram
@@ -210,7 +225,7 @@ class SelfDrafter:
     def _draft(self, request: DraftRequest, k_max: int, cost, rng: np.random.Generator,
                guesses: Sequence[int] = ()) -> Draft:
         cache, view = self._target_cache, self._view
-        self._guesses, self._agreed = [], 0
+        self._guesses, self._agreed, self._copied = [], 0, 0
         if view is None or cache is None or cache.length != len(request.context) - 1:
             return Draft.empty()  # not bound to the cache this context is in (e.g. a replay)
         k_max = min(k_max, cache.free - 1)
@@ -225,6 +240,27 @@ class SelfDrafter:
         self._bins = []
         survival, expected, last_c = 1.0, 0.0, self.rate
         staged_ms, steps = 0.0, 0  # drafting so far: the staged pass, then steps of width 1
+        ext, ext_at = Draft.empty(), -1  # the n-gram drafts continuing the first ext_at drafts
+        offset = request.confidence_offset
+        fill_ms = self.target_ms.get(k_max + 1) if cost is None else None
+
+        def extension() -> Draft:
+            nonlocal ext, ext_at
+            if ext_at != len(tokens):
+                ext, ext_at = self._extension(tokens, k_max - len(tokens), offset), len(tokens)
+            return ext
+
+        def fills() -> bool:
+            """A fixed length: do the n-gram drafts after the copy's promise more tokens per ms
+            for the k drafts than the copy drafting the rest (same verify width either way)?"""
+            if fill_ms is None or len(extension()) < k_max - len(tokens):
+                return False
+            d = max(self.step_ms, 1e-3)
+            spent = staged_ms + steps * d
+            reach = survival * float(np.cumprod(ext.confidence[:k_max - len(tokens)]).sum())
+            rest = sum(survival * last_c ** e for e in range(1, k_max - len(tokens) + 1))
+            return ((1.0 + expected + reach) / (spent + fill_ms)
+                    >= (1.0 + expected + rest) / (spent + (k_max - len(tokens)) * d + fill_ms))
 
         def take(logits: np.ndarray) -> int:
             """Draw the next draft from one row of the copy's logits; its confidence is set
@@ -266,18 +302,26 @@ class SelfDrafter:
                 self.staged[0] += 1
                 self.staged[1] += len(guesses)
                 self.staged[2] += self._agreed
+            stop = False
             for goal in listed:
                 if cost is not None and tokens and goal > len(tokens):
                     # Before drafting up to ``goal``: does the round with them promise more tokens
-                    # per ms than the round as it stands? Their survivals are guessed from the
-                    # last conditional confidence (they are not drawn yet).
+                    # per ms than the round as it stands, with the n-gram drafts that continue it
+                    # where there are any? Their survivals are guessed from the last conditional
+                    # confidence (they are not drawn yet).
                     d = max(self.step_ms, 1e-3)
                     spent = staged_ms + steps * d
                     now = (1.0 + expected) / (spent + cost(len(tokens) + 1))
+                    if len(extension()):
+                        _, v = choose_width(conf + list(ext.confidence), self._widths, lambda w: spent + cost(w))
+                        now = max(now, v)
                     more = sum(survival * last_c ** e for e in range(1, goal - len(tokens) + 1))
                     if (1.0 + expected + more) / (spent + (goal - len(tokens)) * d + cost(goal + 1)) <= now:
                         break
                 while len(tokens) < goal:
+                    if cost is None and tokens and fills():
+                        stop = True  # the n-gram drafts complete the length asked for
+                        break
                     t = time.perf_counter()
                     logits = self.model.step(view, np.array([x], dtype=np.int64)).logits[-1]
                     view.commit(1)
@@ -287,21 +331,40 @@ class SelfDrafter:
                     self.step_ms = ms if self.step_ms <= 0 else 0.8 * self.step_ms + 0.2 * ms
                     if self.copy_costs is not None:
                         self.copy_costs.observe(1, ms)
+                if stop:
+                    break
         finally:
             view.length = cache.length  # the copy's K/V past the committed positions are dropped
         n = min(len(tokens), k_max)
-        return Draft(np.asarray(tokens[:n], dtype=np.int64), np.stack(qs[:n]) if qs else None,
-                     np.asarray(conf[:n], dtype=np.float64))
+        del tokens[n:], qs[n:], conf[n:]
+        self._copied = n
+        more = extension() if cost is not None or stop else Draft.empty()
+        if len(more):
+            # The n-gram drafts after the copy's: deterministic given the drafts before them,
+            # so each is drawn from a point mass at itself.
+            tokens += more.tokens.tolist()
+            conf += more.confidence.tolist()
+            for x in more.tokens.tolist() if qs else ():
+                one = np.zeros_like(qs[0])
+                one[x] = 1.0
+                qs.append(one)
+            self.extended[0] += 1
+            self.extended[1] += len(more)
+        return Draft(np.asarray(tokens, dtype=np.int64), np.stack(qs) if qs else None,
+                     np.asarray(conf, dtype=np.float64))
 
     def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:
         if self.source == "ngram":
             self.ngram.feedback(drafted, accepted, committed)
             return
+        copied = min(drafted, self._copied)
         if self._guesses:  # what the round says of the n-gram drafts the copy checked
-            seen, right = guesses_judged(len(self._guesses), self._agreed, drafted, accepted)
+            seen, right = guesses_judged(len(self._guesses), self._agreed, copied, min(accepted, copied))
             if seen:
                 self.ngram.feedback(seen, right, committed)
-        bins = self._bins[:drafted]
+        if drafted > copied and accepted >= copied:  # the n-gram drafts after the copy's were judged
+            self.ngram.feedback_extension(drafted - copied, accepted - copied)
+        bins = self._bins[:copied]
         for i in range(judged(len(bins), accepted)):
             self.tried[bins[i]] += 1
             self.accepted[bins[i]] += i < accepted
