@@ -106,7 +106,7 @@ def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                         "estimated online), 'ngram:prompt' (prompt lookup alone), 'self' / 'self:<precision>' "
                         "(the engine's INT8 (or that precision's) graph drafts over the target's KV cache), "
                         "'ngram+self' (n-gram drafts where they promise more, the copy's otherwise, which checks "
-                        "the n-gram drafts in its first pass) or a "
+                        "the n-gram drafts in its first pass and which n-gram drafts continue) or a "
                         "draft-model engine folder (default: plain decoding)")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="verify exactly this many drafts every round (default: the scheduler chooses)")

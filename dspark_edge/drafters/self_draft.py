@@ -45,6 +45,18 @@ from this device's profile (or measured when the drafter is bound) and corrected
 it times. On a 2-core AVX2 CPU an INT8 pass of width 2 costs 1.16 (64 positions cached) to 1.43
 (256) times one of width 1, so the check gains little there (docs/PERFORMANCE.md); where a wider
 pass costs about what a narrow one does, a replay puts the gain near 10 %.
+
+The n-gram drafts also continue the copy's (``NgramDrafter.extend``: the lookup run past the
+copy's drafts as if they were committed). Such drafts cost a lookup, not a step, so with the
+scheduler, before each further step of the copy, the round as it stands plus the continuation
+(its best width by the scheduler's rule, the continuation's confidences shifted as the scheduler
+would shift them) is weighed against the further steps; the copy stops where the continuation
+promises more, and the continuation follows its drafts for the scheduler to verify as many as
+pay. With a fixed length k, after each draft of the copy the continuation completes the k drafts
+where it promises more tokens per ms of the round than the copy drafting the rest (the target's
+pass at width k + 1, from the device profile, costs the same either way). A continuation is a
+function of the drafts before it, so under sampling it is drawn from a point mass at itself
+(its q row is one-hot) and the rejection rule stays exact.
 """
 
 from __future__ import annotations
