@@ -83,6 +83,13 @@ def greedy_margin(logits: np.ndarray) -> tuple[int, float]:
     return i, float(lead / e.sum(dtype=np.float64))
 
 
+def greedy_top(logits: np.ndarray) -> tuple[int, float]:
+    """The argmax of ``logits`` and its probability under ``probs(logits, 1.0)``, the softmax in
+    float32 (for greedy drafting, which needs no other entry of the distribution)."""
+    i = int(np.argmax(logits))
+    return i, float(1.0 / np.exp(logits - logits[i], dtype=np.float32).sum(dtype=np.float64))
+
+
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """One draw from the distribution ``p`` ([V], sums to 1)."""
     u = rng.random()

@@ -102,3 +102,17 @@ def test_greedy_margin_is_the_margin_of_the_distribution():
         assert abs(margin - want_margin) < 1e-6
     assert top_margin(np.array([0.4, 0.4, 0.2])) == (0, 0.0)
     assert top_margin(np.array([0.1, 0.2, 0.7])) == (2, pytest.approx(0.5))
+
+
+def test_greedy_top_is_the_top_probability_of_the_distribution():
+    from dspark_edge.sampling import greedy_top
+
+    rng = np.random.default_rng(2)
+    for trial in range(200):
+        logits = (rng.standard_normal(int(rng.choice([2, 100, 49152]))) * rng.choice([0.3, 2.0, 6.0])).astype(np.float32)
+        if trial % 4 == 0:
+            logits[-2:] = logits.max() + rng.choice([0.0, 1e-3, 2.0])
+        token, top = greedy_top(logits)
+        p = probs(logits, 1.0)
+        assert token == int(np.argmax(logits)) == int(np.argmax(p))
+        assert abs(top - float(p[token])) < 1e-6

@@ -18,7 +18,7 @@ from ..backends import BackendOptions
 from ..decoder import DecoderModel
 from ..errors import EngineError
 from ..manifest import Manifest, read_manifest, verify_role_files
-from ..sampling import coupled_pick, probs, sample
+from ..sampling import coupled_pick, greedy_top, probs, sample
 from .base import AcceptanceTracker, Draft, DraftRequest
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,8 @@ class DraftModelDrafter:
             # from the probability of the token actually drawn would depend on that draw, and the
             # sampled output would no longer follow the target (scheduler.py).
             if greedy:
-                x = int(np.argmax(logits))
-                conf.append(float(probs(logits, 1.0)[x]))
+                x, top = greedy_top(logits)
+                conf.append(top)
             else:
                 q = probs(logits, request.temperature, request.top_k, request.top_p)
                 conf.append(float(q.max()))
