@@ -227,13 +227,11 @@ class NgramDrafter:
         return draft
 
     def extend(self, drafts: Sequence[int], k: int) -> Draft:
-        """Up to ``k`` drafts continuing ``drafts``: tokens proposed after the context of the
-        latest ``propose`` (another drafter's, not committed), looked up as ``propose`` would
-        look them up were they committed, except that n-grams inside them are not indexed. The
-        drafter's state is left as ``propose`` set it (the drafts are not indexed, and the next
-        round's "on track" still reads the latest proposal); ``feedback_extension`` takes the
-        outcome of these drafts. For "whether the previous proposal had predicted the pending
-        token", the latest proposal is read against ``drafts``."""
+        """Up to ``k`` drafts continuing ``drafts`` (another drafter's tokens after the context
+        of the latest ``propose``, not committed), looked up as ``propose`` would were they
+        committed, except that n-grams inside them are not indexed; the confidence model's "on
+        track" input reads the latest proposal against them. The drafter's state stays as
+        ``propose`` left it; ``feedback_extension`` takes the outcome of these drafts."""
         self._ext_n, self._ext_buckets = None, None
         k = min(k, self.max_tokens)
         if k < 1 or not self._ctx:
