@@ -299,10 +299,11 @@ def test_staged_rounds_stay_exact(plain, tiny_engine):
     assert passes >= 3000 and 0 < agreed < guesses  # staged rounds, with guesses drawn and not drawn
 
 
-def _dear_passes(pipe, ms: float = 10.0):
+def _dear_passes(pipe, ms: float = 1000.0):
     """The scheduler sees a device whose target pass costs ``ms`` at every width (the tiny
     model's cost a fraction of a millisecond, less than a drafting step: nothing would be
-    worth drafting)."""
+    worth drafting). Far dearer than a drafting step on any machine, however busy, so the
+    copy drafts every round whatever its measured step time."""
     pipe.scheduler.costs.verify = lambda width: ms
     return pipe
 

@@ -50,9 +50,9 @@ The n-gram drafts also continue the copy's (``NgramDrafter.extend``: the lookup 
 copy's drafts as if they were committed). Such drafts cost a lookup, not a step, so with the
 scheduler, before each further step of the copy, the round as it stands plus the continuation
 (its best width by the scheduler's rule, the continuation's confidences shifted as the scheduler
-would shift them) is weighed against the further steps; the copy stops where the continuation
-promises more, and the continuation follows its drafts for the scheduler to verify as many as
-pay. With a fixed length k, after each draft of the copy the continuation completes the k drafts
+would shift them) is weighed against the further steps plus a continuation after them, guessed
+to be as good as the one found now; the copy stops where stopping promises more, and the
+continuation follows its drafts for the scheduler to verify as many as pay. With a fixed length k, after each draft of the copy the continuation completes the k drafts
 where it promises more tokens per ms of the round than the copy drafting the rest (the target's
 pass at width k + 1, from the device profile, costs the same either way). A continuation is a
 function of the drafts before it, so under sampling it is drawn from a point mass at itself
@@ -318,17 +318,22 @@ class SelfDrafter:
             for goal in listed:
                 if cost is not None and tokens and goal > len(tokens):
                     # Before drafting up to ``goal``: does the round with them promise more tokens
-                    # per ms than the round as it stands, with the n-gram drafts that continue it
-                    # where there are any? Their survivals are guessed from the last conditional
-                    # confidence (they are not drawn yet).
+                    # per ms than the round as it stands? Their conditional confidences are guessed
+                    # as the last one (they are not drawn yet). Where n-gram drafts continue the
+                    # copy's, both sides count a continuation at their best width: the one found
+                    # now, and after the further drafts one guessed to be as good.
                     d = max(self.step_ms, 1e-3)
                     spent = staged_ms + steps * d
+                    more_ms = spent + (goal - len(tokens)) * d
                     now = (1.0 + expected) / (spent + cost(len(tokens) + 1))
-                    if len(extension()):
-                        _, v = choose_width(conf + list(ext.confidence), self._widths, lambda w: spent + cost(w))
-                        now = max(now, v)
                     more = sum(survival * last_c ** e for e in range(1, goal - len(tokens) + 1))
-                    if (1.0 + expected + more) / (spent + (goal - len(tokens)) * d + cost(goal + 1)) <= now:
+                    more = (1.0 + expected + more) / (more_ms + cost(goal + 1))
+                    if len(extension()):
+                        after = list(ext.confidence)
+                        now = max(now, choose_width(conf + after, self._widths, lambda w: spent + cost(w))[1])
+                        guess = (conf + [last_c] * (goal - len(tokens)) + after)[:k_max]
+                        more = max(more, choose_width(guess, self._widths, lambda w: more_ms + cost(w))[1])
+                    if more <= now:
                         break
                 while len(tokens) < goal:
                     if cost is None and tokens and fills():
