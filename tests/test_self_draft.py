@@ -313,7 +313,9 @@ def test_the_copy_stops_where_ngram_drafts_continue_it(tiny_engine):
     it promise more tokens per ms than further steps of the copy; they follow its drafts."""
     pipe = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="ngram+self")
     d, _, ids = _bound(pipe, PROMPTS[9])
-    flat = {w: 10.0 for w in pipe.target.widths}.__getitem__
+    # A pass far dearer than a drafting step (however busy the machine): the choices turn on
+    # the drafts' survivals alone.
+    flat = {w: 1000.0 for w in pipe.target.widths}.__getitem__
     request = DraftRequest(ids, 3, 0.0, 0, 1.0, verify_cost=flat)
     d.tried[:], d.accepted[:] = 1000, 900  # the copy: 90 % of its drafts accepted
     d.ngram = _Guesser([], extend=False, propose=False)
@@ -323,7 +325,8 @@ def test_the_copy_stops_where_ngram_drafts_continue_it(tiny_engine):
     d.ngram = _Guesser([11, 12, 13, 14], extend=True, propose=False)  # the continuation of answer position i
     d.step_ms = 1.0
     ext = d.propose(request, np.random.default_rng(0))
-    # After one draft: (1 + 0.9 + 0.81 + 0.73) / (1 + 10 ms) beats a second step of the copy.
+    # After one draft the chain with the continuation already holds 3 drafts (1 + 0.9 + 0.81 +
+    # 0.73 expected tokens): a second step of the copy would add time and no draft.
     assert d._copied == 1 and len(ext) == 3 and ext.tokens[0] == own.tokens[0]
     assert ext.tokens[1:].tolist() == [12, 13]  # request.position is 0: positions 1 and 2
     np.testing.assert_allclose(ext.confidence[1:], [0.9, 0.9])
