@@ -355,6 +355,7 @@ class TextStream:
                     k_max = min(max_drafts, cfg.max_new_tokens - len(self.token_ids) - 1, cache.free - 1)
                     draft = Draft.empty()
                     draft_ms = 0.0
+                    said = None  # the drafter's account of this round's proposal
                     t_d = None  # when this round's drafting began, if it drafted
                     snap = p.telemetry()
                     wants = sched is None or sched.wants_draft(snap)
@@ -378,6 +379,8 @@ class TextStream:
                                 confidence_offset=0.0 if sched is None else sched.offset), rng)
                             _check_draft(proposal, k_max, p.manifest.model.vocab_size)
                             draft, failures = proposal, 0
+                            said = getattr(drafter, "last_proposal", None)
+                            said = dict(said) if isinstance(said, dict) else None
                         except Exception as exc:  # a drafter must never take the generation down
                             failures += 1
                             log.warning("drafter %s failed (%s: %s)", drafter.name, type(exc).__name__, exc)
@@ -432,7 +435,7 @@ class TextStream:
                                                 tuple(float(c) for c in draft.confidence), st.draft_n, st.accepted,
                                                 decision, index=st.rounds, tokens=tuple(int(t) for t in outcome.tokens),
                                                 draft_ms=draft_ms, verify_ms=verify_ms,
-                                                t_s=time.perf_counter() - t0, telemetry=snap)
+                                                t_s=time.perf_counter() - t0, telemetry=snap, drafting=said)
                     if p.observers:
                         p._notify("on_round", self.last_round)
                     if drafter is not None and len(draft):
@@ -484,6 +487,7 @@ class RoundInfo:
     verify_ms: float = 0.0  # the target pass and the verification
     t_s: float = 0.0  # seconds since the generation began, at the end of this round
     telemetry: Snapshot | None = None  # the reading this round saw (None when nothing samples it)
+    drafting: dict | None = None  # what the drafter did this round and why, when it says (``last_proposal``)
 
     def as_dict(self) -> dict:
         """A JSON-ready record (one trace line)."""
@@ -493,7 +497,7 @@ class RoundInfo:
              "accepted": self.accepted, "tokens": list(self.tokens), "confidence": [round(c, 5) for c in self.confidence],
              "draft_ms": round(self.draft_ms, 4), "verify_ms": round(self.verify_ms, 4),
              "draft_n_total": self.draft_n_total, "accepted_total": self.accepted_total,
-             "decision": None, "telemetry": None}
+             "decision": None, "telemetry": None, "drafting": self.drafting}
         if self.decision is not None:
             d["decision"] = asdict(self.decision)
         if self.telemetry is not None:

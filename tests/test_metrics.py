@@ -50,6 +50,7 @@ def test_trace_records_every_round_and_agrees_with_stats(spec, tmp_path):
             assert x["accepted"] <= x["drafted"] == x["width"] - 1 and len(x["tokens"]) == x["accepted"] + 1
             assert len(x["confidence"]) == x["drafted"] and x["verify_ms"] > 0
             assert x["telemetry"] is not None and "mem_available_mb" in x["telemetry"]
+            assert x["drafting"] is None  # the draft model gives no account of its proposals
     auto = [x for x in recs if x["type"] == "round" and x["generation"] == 0]
     assert all(x["decision"]["reason"] and x["decision"]["width"] == x["width"] for x in auto)
     fixed = [x for x in recs if x["type"] == "round" and x["generation"] == 1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -322,6 +324,8 @@ def test_the_copy_stops_where_ngram_drafts_continue_it(tiny_engine):
     d.step_ms = 1.0
     own = d.propose(request, np.random.default_rng(0))
     assert len(own) == 3 and d._copied == 3  # nothing continues it: the copy drafts all three
+    assert d.last_proposal == {"source": "self", "copied": 3, "continued": 0, "checked": 0, "agreed": 0,
+                               "why": "every length asked for"}
     d.ngram = _Guesser([11, 12, 13, 14], extend=True, propose=False)  # the continuation of answer position i
     d.step_ms = 1.0
     ext = d.propose(request, np.random.default_rng(0))
@@ -331,6 +335,35 @@ def test_the_copy_stops_where_ngram_drafts_continue_it(tiny_engine):
     assert ext.tokens[1:].tolist() == [12, 13]  # request.position is 0: positions 1 and 2
     np.testing.assert_allclose(ext.confidence[1:], [0.9, 0.9])
     assert ext.q is None and d.extended == [1, 2]
+    assert d.last_proposal["copied"] == 1 and d.last_proposal["continued"] == 2
+    assert d.last_proposal["why"] == "the n-gram continuation promises more than further drafts"
+
+
+def test_each_round_records_what_the_drafter_did(tiny_engine):
+    """The trace says, round by round, which source drafted, how many drafts the copy and the
+    continuation gave, and why drafting stopped."""
+    import io
+
+    from dspark_edge.metrics import TraceWriter
+
+    pipe = _dear_passes(dspark_edge.load(tiny_engine, "fp32", drafter="ngram+self", telemetry=FakeReader()))
+    d = pipe.drafter
+    d.tried[:], d.accepted[:] = 1000, 400
+    text = PROMPTS[2]
+    want = dspark_edge.load(tiny_engine, "fp32").generate(text, max_new_tokens=24, ignore_eos=True).token_ids
+    d.ngram = _Guesser(want, extend=True, propose=False)
+    out = io.StringIO()
+    trace = TraceWriter(out)
+    pipe.add_observer(trace)
+    r = pipe.generate(text, max_new_tokens=24, ignore_eos=True)
+    rounds = [json.loads(line) for line in out.getvalue().splitlines() if '"round"' in line]
+    assert len(rounds) == r.stats.rounds
+    said = [x["drafting"] for x in rounds if x["drafting"] is not None]
+    assert said and all(x["source"] == "self" and x["why"] for x in said)
+    assert any(x["continued"] > 0 for x in said)
+    for x in rounds:
+        if x["drafting"] is not None:  # the verified drafts are a prefix of what was proposed
+            assert x["drafted"] <= x["drafting"]["copied"] + x["drafting"]["continued"]
 
 
 def test_ngram_drafts_continue_the_copys(plain, tiny_engine):

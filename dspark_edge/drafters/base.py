@@ -72,6 +72,10 @@ class Drafter(Protocol):
     # calibration made elsewhere, is then not applied on top (it would correct them twice).
     # A drafter without the attribute counts as False.
     observed_confidence: bool
+    # Optional: a JSON-ready dict saying what the latest proposal did and why (which source
+    # drafted, how many drafts each gave, why drafting stopped); the pipeline copies it into the
+    # round's record (``RoundInfo.drafting``, the trace). A drafter without it records nothing.
+    last_proposal: dict | None
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """A new generation starts from ``prompt_ids``."""

@@ -129,6 +129,7 @@ class SelfDrafter:
         self._agreed = 0  # how many of them the copy drew
         self.staged = [0, 0, 0]  # staged checks so far: passes, guesses checked, guesses the copy drew
         self.extended = [0, 0]  # proposals the n-gram drafts extended, and their drafts
+        self.last_proposal: dict | None = None  # what the latest proposal did, for traces
 
     # -- the target's cache -------------------------------------------------------------------
     def bind_target(self, target: DecoderModel, cache) -> None:
@@ -186,12 +187,16 @@ class SelfDrafter:
             if len(ng) and self._use_ngram(ng, k_max, cost, request.confidence_offset):
                 self.source = "ngram"
                 self.observed_confidence = self.ngram.observed_confidence
+                self.last_proposal = {"source": "ngram", "drafts": len(ng),
+                                      "why": "the n-gram drafts promise more than the copy's"}
                 return ng
             j = self._stage_width(ng, k_max, request.confidence_offset)
             guesses = [int(t) for t in ng.tokens[:j]]
         self.source, self.observed_confidence = "self", True
         if cost is not None and self._self_value(k_max, cost) <= 1.0 / cost(1):
-            return Draft.empty()  # drafting with the copy is not expected to pay
+            self.last_proposal = {"source": "self", "copied": 0, "continued": 0,
+                                  "why": "drafting with the copy is not expected to pay"}
+            return Draft.empty()
         return self._draft(request, k_max, cost, rng, guesses)
 
     def _extension(self, tokens: Sequence[int], room: int, offset: float) -> Draft:
@@ -238,11 +243,13 @@ class SelfDrafter:
                guesses: Sequence[int] = ()) -> Draft:
         cache, view = self._target_cache, self._view
         self._guesses, self._agreed, self._copied = [], 0, 0
+        self.last_proposal = {"source": "self", "copied": 0, "continued": 0, "why": "not bound to this context's cache"}
         if view is None or cache is None or cache.length != len(request.context) - 1:
             return Draft.empty()  # not bound to the cache this context is in (e.g. a replay)
         k_max = min(k_max, cache.free - 1)
         listed = sorted(w - 1 for w in self._widths if 1 <= w - 1 <= k_max)
         if not listed:
+            self.last_proposal["why"] = "no listed width fits the room left in the cache"
             return Draft.empty()
         guesses = list(guesses)[:max(k_max - 1, 0)]
         greedy = request.temperature == 0.0
@@ -314,7 +321,7 @@ class SelfDrafter:
                 self.staged[0] += 1
                 self.staged[1] += len(guesses)
                 self.staged[2] += self._agreed
-            stop = False
+            stop, why = False, "every length asked for"
             for goal in listed:
                 if cost is not None and tokens and goal > len(tokens):
                     # Before drafting up to ``goal``: does the round with them promise more tokens
@@ -328,16 +335,20 @@ class SelfDrafter:
                     now = (1.0 + expected) / (spent + cost(len(tokens) + 1))
                     more = sum(survival * last_c ** e for e in range(1, goal - len(tokens) + 1))
                     more = (1.0 + expected + more) / (more_ms + cost(goal + 1))
+                    why = "further drafts not expected to pay"
                     if len(extension()):
                         after = list(ext.confidence)
-                        now = max(now, choose_width(conf + after, self._widths, lambda w: spent + cost(w))[1])
+                        with_ext = choose_width(conf + after, self._widths, lambda w: spent + cost(w))[1]
+                        if with_ext > now:
+                            now, why = with_ext, "the n-gram continuation promises more than further drafts"
                         guess = (conf + [last_c] * (goal - len(tokens)) + after)[:k_max]
                         more = max(more, choose_width(guess, self._widths, lambda w: more_ms + cost(w))[1])
                     if more <= now:
                         break
+                    why = "every length asked for"
                 while len(tokens) < goal:
                     if cost is None and tokens and fills():
-                        stop = True  # the n-gram drafts complete the length asked for
+                        stop, why = True, "the n-gram continuation completes the length asked for"
                         break
                     t = time.perf_counter()
                     logits = self.model.step(view, np.array([x], dtype=np.int64)).logits[-1]
@@ -367,6 +378,8 @@ class SelfDrafter:
                 qs.append(one)
             self.extended[0] += 1
             self.extended[1] += len(more)
+        self.last_proposal = {"source": "self", "copied": n, "continued": len(more), "checked": len(guesses),
+                              "agreed": self._agreed, "why": why}
         return Draft(np.asarray(tokens, dtype=np.int64), np.stack(qs) if qs else None,
                      np.asarray(conf, dtype=np.float64))
 
