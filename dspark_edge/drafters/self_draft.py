@@ -52,9 +52,10 @@ scheduler, before each further step of the copy, the round as it stands plus the
 (its best width by the scheduler's rule, the continuation's confidences shifted as the scheduler
 would shift them) is weighed against the further steps plus a continuation after them, guessed
 to be as good as the one found now; the copy stops where stopping promises more, and the
-continuation follows its drafts for the scheduler to verify as many as pay. With a fixed length k, after each draft of the copy the continuation completes the k drafts
-where it promises more tokens per ms of the round than the copy drafting the rest (the target's
-pass at width k + 1, from the device profile, costs the same either way). A continuation is a
+continuation follows its drafts for the scheduler to verify as many as pay. With a fixed length
+k, after each draft of the copy the continuation completes the k drafts where it promises more
+tokens per ms of the round than the copy drafting the rest (the target's pass at width k + 1,
+from the device profile, costs the same either way). A continuation is a
 function of the drafts before it, so under sampling it is drawn from a point mass at itself
 (its q row is one-hot) and the rejection rule stays exact.
 """
@@ -123,7 +124,8 @@ class SelfDrafter:
         self.accepted = np.zeros(len(MARGIN_PRIOR))
         self.engine_dir = engine_dir
         self.copy_costs: CostModel | None = None  # the copy's pass ms per width (staged checks)
-        self.target_ms: dict[int, float] = {}  # the target's pass ms per width (a fixed length's fill)
+        self._target: DecoderModel | None = None
+        self.target_ms: dict[int, float] | None = None  # its pass ms per width, once a fixed length's fill needs it
         self._guesses: list[int] = []  # n-gram drafts checked by the latest self proposal's first pass
         self._copied = 0  # drafts of the latest self proposal that the copy drew; the n-gram's follow
         self._agreed = 0  # how many of them the copy drew
@@ -144,11 +146,23 @@ class SelfDrafter:
         self._view = view(cache)
         self._target_cache = cache
         self._widths = target.widths
+        if target is not self._target:
+            self._target, self.target_ms = target, None
         if self.ngram is not None and self.copy_costs is None:  # the staged check's pass costs
             from ..profile import cost_curve
 
             self.copy_costs = CostModel(cost_curve(self.model, self.engine_dir)[0], 0.0)
-            self.target_ms = cost_curve(target, self.engine_dir)[0]
+
+    def _target_pass_ms(self, width: int) -> float | None:
+        """The target's pass ms at ``width``, for a fixed length's fill: from the device profile
+        (measured where there is none) the first time a fill is weighed. With the scheduler the
+        requests carry its corrected curve instead, so a scheduled generation never measures it
+        (the pipeline has measured it already)."""
+        if self.target_ms is None:
+            from ..profile import cost_curve
+
+            self.target_ms = cost_curve(self._target, self.engine_dir)[0]
+        return self.target_ms.get(width)
 
     # -- the drafter protocol -----------------------------------------------------------------
     def begin(self, prompt_ids: Sequence[int]) -> None:
@@ -181,7 +195,6 @@ class SelfDrafter:
             return Draft.empty()
         cost = request.verify_cost
         guesses: list[int] = []
-        self._guesses, self._agreed = [], 0
         if self.ngram is not None:
             ng = self.ngram.propose(request, rng)
             if len(ng) and self._use_ngram(ng, k_max, cost, request.confidence_offset):
@@ -261,7 +274,7 @@ class SelfDrafter:
         staged_ms, steps = 0.0, 0  # drafting so far: the staged pass, then steps of width 1
         ext, ext_at = Draft.empty(), -1  # the n-gram drafts continuing the first ext_at drafts
         offset = request.confidence_offset
-        fill_ms = self.target_ms.get(k_max + 1) if cost is None else None
+        fill_ms = self._target_pass_ms(k_max + 1) if cost is None and self.ngram is not None else None
 
         def extension() -> Draft:
             nonlocal ext, ext_at
