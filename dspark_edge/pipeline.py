@@ -46,8 +46,10 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     ``drafter``: None (plain decoding), "dspark" / "dspark:<precision>" (the engine folder's
     DSpark drafter), "ngram" (prompt lookup, with the engine folder's corpus n-gram table
     when it has one, and the confidence model calibrated with it), "ngram:online" (the same table,
-    confidences estimated online), "ngram:prompt" (prompt lookup alone), the path of a draft-model engine folder, or a
-    Drafter object. ``verify_hashes`` checks the sha256 of the files
+    confidences estimated online), "ngram:prompt" (prompt lookup alone), "self" / "self:<precision>" (the
+    engine folder's INT8 graph, or that precision's, drafts for the target over its KV cache; the
+    target must be more precise), "ngram+self" (the n-gram drafter and that copy), the path of a
+    draft-model engine folder, or a Drafter object. ``verify_hashes`` checks the sha256 of the files
     this precision uses (sizes are always checked).
 
     ``scheduler``: with a drafter, the confidence scheduler picks each round's verify width

@@ -12,8 +12,9 @@ calibrated confidences, the accepted length, speed, free memory and RSS, tempera
 throttling, CPU (and GPU) load, and what the confidence scheduler chose and why, with its
 latest switches (hot, parked, probing, gate). It decodes with the engine's DSpark drafter when
 it has one, else the model-free n-gram drafter (prompt lookup plus the engine's corpus table of
-the target's habitual continuations, when the folder has one); --drafter none decodes plainly. When stdout is
-not a terminal (or `rich` is missing) it prints plain lines.
+the target's habitual continuations, when the folder has one) and, in a --race on the CPU, the
+engine's INT8 graph drafting for the FP32 target beside it (`ngram+self`); --drafter none decodes
+plainly. When stdout is not a terminal (or `rich` is missing) it prints plain lines.
 
 --race decodes the same prompt plainly and speculatively in turns (whichever has used less
 time goes next, so both get the same share of this machine) and reports the speedup of their
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import dspark_edge
 from dspark_edge.metrics import TraceWriter
+from dspark_edge.drafters import SELF_SPECS
 from dspark_edge.pipeline import has_own_model
 from dspark_edge.tokenizer import IncrementalDecoder
 
@@ -248,6 +250,25 @@ def run_prompt(pipe, prompt, cfg, live: bool, race: bool) -> Run:
     return spec
 
 
+def is_self(drafter: str) -> bool:
+    """Whether a drafter name drafts with another precision of the target's own graph."""
+    return drafter.partition(":")[0] in SELF_SPECS
+
+
+def default_drafter(manifest, available: list[str], precision: str | None, race: bool, backend: str,
+                    providers: tuple[str, ...]) -> str:
+    """The engine's DSpark drafter when it has one. Otherwise the n-gram drafter, except in a CPU
+    race (FP32), where the n-gram drafter with the engine's INT8 copy drafting is the fastest
+    exact decoding measured on a CPU (docs/PERFORMANCE.md, "The n-gram drafts continue the copy's").
+    ``precision`` is the one asked for (None: the most precise, ``available[0]``)."""
+    if manifest.drafter is not None:
+        return "dspark"
+    cpu_only = backend == "onnxruntime" and providers == ("CPUExecutionProvider",)
+    if race and cpu_only and "int8" in available and (precision or available[0]) != "int8":
+        return "ngram+self"
+    return "ngram"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default=str(DEFAULT_ENGINE), help="engine folder (default: %(default)s)")
@@ -258,7 +279,8 @@ def main() -> int:
     ap.add_argument("--drafter", default=None,
                     help="'dspark' (default when the engine has one), 'ngram' (default otherwise: prompt lookup "
                          "and the engine's n-gram table), 'ngram:prompt' (prompt lookup alone), 'self' / "
-                         "'ngram+self' (the engine's INT8 graph drafts for the target), 'none' for plain "
+                         "'ngram+self' (the engine's INT8 graph drafts for an FP32 target; the default of a CPU "
+                         "--race when the engine has an INT8 graph and no DSpark drafter), 'none' for plain "
                          "decoding, or a draft-model engine folder")
     ap.add_argument("--chat", action="store_true", help="interactive chat (empty line or Ctrl-D quits)")
     ap.add_argument("--race", action="store_true",
@@ -296,14 +318,17 @@ def main() -> int:
         # INT8 kernels round differently at different widths, so INT8 speculative output may drift
         # from INT8 plain output; the race compares at FP32 unless told otherwise.
         available = manifest.precisions("target", args.backend)
-        fast = "int8" if "int8" in available and not args.race else None
+        providers = tuple(p for p in args.providers.split(",") if p)
+        drafter = args.drafter or default_drafter(manifest, available, args.precision, args.race, args.backend,
+                                                     providers)
+        # Self-drafting needs a target more precise than its INT8 copy.
+        fast = "int8" if "int8" in available and not args.race and not is_self(drafter) else None
         precision = args.precision or fast
-        drafter = args.drafter or ("dspark" if manifest.drafter is not None else "ngram")
         if args.race and drafter == "none":
             raise dspark_edge.ConfigError("--race compares plain and speculative decoding: give a drafter, "
                                           "not --drafter none")
         # A drafter with a graph of its own shares the target's thread pool (BackendOptions.shared_threads).
-        options = dspark_edge.BackendOptions(providers=tuple(p for p in args.providers.split(",") if p),
+        options = dspark_edge.BackendOptions(providers=providers,
                                              shared_threads=has_own_model(drafter))
         pipe = dspark_edge.load(args.engine, precision, drafter=None if drafter == "none" else drafter,
                                 backend=args.backend, options=options)

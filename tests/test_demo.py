@@ -51,6 +51,25 @@ def test_race_reports_speedup_and_identical_tokens(tiny_engine, tiny_draft_poor)
     assert "identical tokens" in q.stdout  # sampled, yet the same answer: it depends on the seed alone
 
 
+def test_default_drafters_follow_the_engine(tiny_engine):
+    # A CPU race with an INT8 graph and no DSpark drafter: n-gram lookup and the INT8 copy draft.
+    p = demo("--engine", str(tiny_engine), "--max-new-tokens", "16", "--race")
+    assert p.returncode == 0, p.stderr
+    assert "drafter ngram+self:int8" in p.stdout and "target fp32" in p.stdout and "identical tokens" in p.stdout
+    # Asked for an INT8 target, the race keeps the n-gram drafter (self-drafting needs a more precise target).
+    q = demo("--engine", str(tiny_engine), "--max-new-tokens", "8", "--race", "--precision", "int8")
+    assert q.returncode == 0, q.stderr
+    assert "drafter ngram " in q.stdout or "drafter ngram\n" in q.stdout, q.stdout
+    # Self-drafting without --precision runs the FP32 target, not the INT8 default.
+    r = demo("--engine", str(tiny_engine), "--max-new-tokens", "8", "--drafter", "self")
+    assert r.returncode == 0, r.stderr
+    assert "target fp32" in r.stdout and "drafter self:int8" in r.stdout
+    # Without --race the default stays the n-gram drafter on the INT8 target.
+    t = demo("--engine", str(tiny_engine), "--max-new-tokens", "8")
+    assert t.returncode == 0, t.stderr
+    assert "target int8" in t.stdout and "drafter ngram" in t.stdout and "+self" not in t.stdout
+
+
 def test_chat_reads_turns_from_stdin(tiny_engine):
     p = demo("--engine", str(tiny_engine), "--chat", "--max-new-tokens", "6", stdin="hello\nand again\n\n")
     assert p.returncode == 0, p.stderr

@@ -127,6 +127,8 @@ def test_ngram_drafts_are_used_where_they_promise_more(tiny_engine):
 def test_self_drafting_errors_name_the_fix(tiny_engine, tiny_portable):
     with pytest.raises(ConfigError, match="--precisions fp16,fp32,int8"):
         dspark_edge.load(tiny_engine, "fp32", drafter="self:fp16")
+    with pytest.raises(ConfigError, match="target's own int8 graph.*load the target in fp32"):
+        dspark_edge.load(tiny_engine, "int8", drafter="ngram+self")
     pipe = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="self")
     other = dspark_edge.load(tiny_portable, "fp32")
     with pytest.raises(BackendError, match="cannot share this KV cache"):

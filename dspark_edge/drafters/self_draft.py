@@ -139,6 +139,10 @@ class SelfDrafter:
         cannot share (another backend, K/V type or layout)."""
         if cache is self._target_cache:
             return
+        if getattr(target, "precision", None) == self.precision:
+            raise ConfigError(f"self-drafting with {self.precision} drafts with the target's own {self.precision} "
+                              "graph: each draft would cost a full target step and no round could gain; load the "
+                              "target in fp32 or pick another drafter ('ngram')")
         view = getattr(self.model.session, "view_cache", None)
         if view is None or target.backend != "onnxruntime":
             raise ConfigError("self-drafting shares the target's KV cache and needs the onnxruntime backend; "
