@@ -3,7 +3,8 @@
 One loop serves plain and speculative decoding: each round the drafter (if any) proposes
 tokens, the target runs once over [pending token, drafts…] at a listed verify width, the
 drafts are verified (greedy or rejection sampling), and the KV cache keeps only the
-committed positions. Without drafts a round is a plain width-1 step. Each generation starts
+committed positions (``rounds.Speculator``); ``TextStream`` turns the committed tokens into
+text, stop strings and stop reasons. Without drafts a round is a plain width-1 step. Each generation starts
 from an empty KV cache, so a failed or cancelled generation leaves the pipeline usable.
 One generation at a time per pipeline: a second concurrent call is refused with a clear
 error (create one pipeline per thread instead).
@@ -15,27 +16,26 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from .backends import BackendOptions
-from .config import GenerationConfig, GenerationResult, GenerationStats
+from .config import GenerationConfig, GenerationResult
 from .errors import ConfigError, DSparkError, GenerationError, PromptError
 from .manifest import Manifest, read_manifest, verify_role_files
 from .decoder import DecoderModel
-from .drafters import NGRAM_SPECS, Draft, DraftRequest, create as create_drafter
+from .drafters import NGRAM_SPECS, create as create_drafter
 from .sampling import choose, coupled_choice
-from .scheduler import CostModel, Decision, Scheduler, SchedulerConfig
+from .scheduler import CostModel, Scheduler, SchedulerConfig
 from .telemetry import Reader, Sampler, Snapshot
 from .tokenizer import IncrementalDecoder, Tokenizer
-from .verify import judged, verify_coupled, verify_greedy, verify_sampling
+from .rounds import RoundInfo, Speculator
 
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[Mapping[str, str]]
-MAX_DRAFTER_FAILURES = 3
 
 
 def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, backend: str = "onnxruntime",
@@ -289,42 +289,25 @@ class TextStream:
         if coupled and seed is None:
             seed = int(np.random.SeedSequence().entropy % 2**63)
         eos = frozenset() if cfg.ignore_eos else p.eos_ids | set(cfg.stop_token_ids)
-        widths_listed = p.target.widths
-        if cfg.speculative:
-            p._restore_drafter()
-        drafter = p.drafter if cfg.speculative else None
-        sched = p.scheduler if (drafter is not None and cfg.draft_tokens is None) else None
-        max_drafts = max(widths_listed) - 1
-        if cfg.draft_tokens is not None:
-            if cfg.draft_tokens + 1 not in widths_listed:
-                raise ConfigError(f"draft_tokens={cfg.draft_tokens} needs verify width {cfg.draft_tokens + 1}, "
-                                  f"which this engine does not list {widths_listed}; pick one of "
-                                  f"{[w - 1 for w in widths_listed]}")
-            max_drafts = cfg.draft_tokens
+        spec = self._speculator(p, rng, seed if coupled else None)
+        st = spec.stats
         detok = IncrementalDecoder(p.tokenizer)
         cache = p._cache
         cache.reset()
-        st = _RoundStats(max_drafts)
         text, emitted = "", 0
         hold = max((len(s) for s in cfg.stop), default=1) - 1  # chars that may start a stop string
-        stop_reason, error, drafter_disabled, failures = "max_new_tokens", None, None, 0
+        stop_reason, error = "max_new_tokens", None
         t0 = time.perf_counter()
         prefill_s = 0.0
         new_from_draft = 0  # how many of ``new`` are accepted drafts (the rest: the target's own)
         try:
             if cfg.max_new_tokens > 0:
                 committed = list(self._prompt_ids)
-                wants_hidden = drafter is not None and getattr(drafter, "needs_hidden", False)
-                hidden_rows: list[np.ndarray] | None = [] if wants_hidden else None
-                out = p.target.prefill(cache, np.asarray(committed, dtype=np.int64), hidden_sink=hidden_rows)
+                out = p.target.prefill(cache, np.asarray(committed, dtype=np.int64), hidden_sink=spec.hidden_rows)
                 new = [coupled_choice(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, seed, 0) if coupled
                        else choose(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, rng)]
                 prefill_s = time.perf_counter() - t0
-                if drafter is not None:
-                    bind = getattr(drafter, "bind_target", None)
-                    if bind is not None:  # a drafter that drafts over the target's KV cache
-                        bind(p.target, cache)
-                    drafter.begin(committed)
+                spec.begin(committed, cache)
                 while True:
                     done = False
                     for i, tok in enumerate(new):  # emit this round's tokens in order; stop mid-block if needed
@@ -352,97 +335,9 @@ class TextStream:
                     if cache.free < 1:
                         stop_reason = "context_full"
                         break
-                    pending = new[-1]
-                    # Drafts past the token budget or the context are wasted work.
-                    k_max = min(max_drafts, cfg.max_new_tokens - len(self.token_ids) - 1, cache.free - 1)
-                    draft = Draft.empty()
-                    draft_ms = 0.0
-                    said = None  # the drafter's account of this round's proposal
-                    t_d = None  # when this round's drafting began, if it drafted
-                    snap = p.telemetry()
-                    wants = sched is None or sched.wants_draft(snap)
-                    if sched is not None and sched.memory_low and drafter is not None:
-                        drafter_disabled = f"available memory {snap.mem_available_mb:.0f} MiB is low: drafter unloaded"
-                        log.warning("%s", drafter_disabled)
-                        drafter, hidden_rows = None, None
-                        if p._make_drafter is not None:
-                            p.drafter, p._unloaded = None, True  # release its session; reloaded when memory allows
-                    if drafter is not None and k_max > 0 and wants:
-                        t_d = time.perf_counter()
-                        try:
-                            new_hidden = None
-                            if hidden_rows is not None:
-                                new_hidden = np.concatenate(hidden_rows) if hidden_rows else None
-                                hidden_rows.clear()
-                            proposal = drafter.propose(DraftRequest(
-                                committed + [pending], k_max, cfg.temperature, cfg.top_k, cfg.top_p, new_hidden,
-                                coupled_seed=seed if coupled else None, position=len(self.token_ids),
-                                verify_cost=None if sched is None else sched.costs.verify,
-                                confidence_offset=0.0 if sched is None else sched.offset), rng)
-                            _check_draft(proposal, k_max, p.manifest.model.vocab_size)
-                            draft, failures = proposal, 0
-                            said = getattr(drafter, "last_proposal", None)
-                            said = dict(said) if isinstance(said, dict) else None
-                        except Exception as exc:  # a drafter must never take the generation down
-                            failures += 1
-                            log.warning("drafter %s failed (%s: %s)", drafter.name, type(exc).__name__, exc)
-                            if failures >= MAX_DRAFTER_FAILURES:
-                                drafter_disabled = f"{failures} consecutive failures, last: {type(exc).__name__}: {exc}"
-                                log.warning("speculation disabled for this generation: %s", drafter_disabled)
-                                drafter, hidden_rows = None, None
-                        draft_ms = (time.perf_counter() - t_d) * 1e3
-                        st.draft_s += draft_ms / 1e3
-                    decision = None
-                    # Confidences that are already this generation's observed rates get no offset.
-                    observed = bool(getattr(drafter, "observed_confidence", False))
-                    source = getattr(drafter, "source", None) if t_d is not None else None
-                    if sched is not None:
-                        decision = sched.decide(draft.confidence, snap, shift=not observed, source=source)
-                        if t_d is not None:  # after the choice: it must not see this round's own time
-                            sched.costs.observe_draft(draft_ms, source=source)
-                        st.modes[decision.mode] = st.modes.get(decision.mode, 0) + 1
-                        draft = draft.trimmed(decision.width - 1)
-                    elif cfg.draft_tokens is None and len(draft) > 1:
-                        draft = draft.trimmed(_survival_cut(draft.confidence, cfg.min_survival))
-                    # The widest listed width the draft fills: an unfilled width is never padded.
-                    width = max(w for w in widths_listed if w <= len(draft) + 1)
-                    draft = draft.trimmed(width - 1)
-                    t_v = time.perf_counter()
-                    out = p.target.step(cache, np.concatenate(([pending], draft.tokens)).astype(np.int64))
-                    if cfg.temperature == 0.0:
-                        outcome = verify_greedy(draft.tokens, out.logits)
-                    elif coupled:  # row 0 decides answer position len(token_ids)
-                        outcome = verify_coupled(draft.tokens, out.logits, cfg.temperature, cfg.top_k, cfg.top_p,
-                                                 seed, len(self.token_ids))
-                    else:
-                        outcome = verify_sampling(draft.tokens, draft.q, out.logits, cfg.temperature,
-                                                  cfg.top_k, cfg.top_p, rng)
-                    verify_ms = (time.perf_counter() - t_v) * 1e3
-                    st.verify_s += verify_ms / 1e3
-                    if sched is not None:
-                        sched.observe(width, verify_ms)
-                        if t_d is not None:
-                            # Every round that paid for drafting counts toward the gate, also one
-                            # whose drafts were all declined: its token cost a draft and a pass.
-                            sched.observe_round(1 + outcome.accepted, (time.perf_counter() - t_d) * 1e3)
-                        if len(draft) and not observed:
-                            sched.observe_acceptance(draft.confidence, outcome.accepted)
-                    cache.commit(1 + outcome.accepted)  # the anchor and the accepted drafts
-                    if hidden_rows is not None and out.hidden is not None:
-                        hidden_rows.append(out.hidden[:1 + outcome.accepted].copy())
-                    committed.append(pending)
-                    committed.extend(outcome.tokens[:-1])
-                    st.record(width, len(draft), outcome)
-                    self.last_round = RoundInfo(width, len(draft), outcome.accepted,
-                                                tuple(float(c) for c in draft.confidence), st.draft_n, st.accepted,
-                                                decision, index=st.rounds, tokens=tuple(int(t) for t in outcome.tokens),
-                                                draft_ms=draft_ms, verify_ms=verify_ms,
-                                                t_s=time.perf_counter() - t0, telemetry=snap, drafting=said)
-                    if p.observers:
-                        p._notify("on_round", self.last_round)
-                    if drafter is not None and len(draft):
-                        drafter.feedback(len(draft), outcome.accepted, committed)
-                    new, new_from_draft = list(outcome.tokens), outcome.accepted
+                    info = spec.round(cache, committed, new[-1], len(self.token_ids),
+                                      cfg.max_new_tokens - len(self.token_ids) - 1, t0, self._record)
+                    new, new_from_draft = list(info.tokens), info.accepted
                 if stop_reason not in ("stop_string", "eos"):
                     text += detok.flush()
                     cut = _find_stop(text, cfg.stop, max(0, emitted - hold))
@@ -461,7 +356,7 @@ class TextStream:
                           prompt_truncated=self._truncated, prefill_s=prefill_s,
                           decode_s=max(0.0, total - prefill_s),
                           drafter=p.drafter.name if (p.drafter is not None and cfg.speculative) else "none",
-                          drafter_disabled=drafter_disabled, modes=dict(st.modes))
+                          drafter_disabled=spec.disabled, modes=dict(st.modes))
         self.result = GenerationResult(text=text, token_ids=tuple(self.token_ids), stop_reason=stop_reason,
                                        stats=stats, error=error)
         if p.observers:
@@ -471,97 +366,29 @@ class TextStream:
         if len(text) > emitted:
             yield text[emitted:]
 
+    def _speculator(self, p: Pipeline, rng: np.random.Generator, coupled_seed: int | None) -> Speculator:
+        """This generation's rounds: the drafter (reloaded if memory allows) unless the config
+        decodes plainly, the scheduler unless it fixes the draft length."""
+        cfg = self.config
+        widths_listed = p.target.widths
+        if cfg.speculative:
+            p._restore_drafter()
+        drafter = p.drafter if cfg.speculative else None
+        sched = p.scheduler if (drafter is not None and cfg.draft_tokens is None) else None
+        max_drafts = max(widths_listed) - 1
+        if cfg.draft_tokens is not None:
+            if cfg.draft_tokens + 1 not in widths_listed:
+                raise ConfigError(f"draft_tokens={cfg.draft_tokens} needs verify width {cfg.draft_tokens + 1}, "
+                                  f"which this engine does not list {widths_listed}; pick one of "
+                                  f"{[w - 1 for w in widths_listed]}")
+            max_drafts = cfg.draft_tokens
+        return Speculator(p, cfg, drafter, sched, max_drafts, rng, coupled_seed)
 
-@dataclass(frozen=True)
-class RoundInfo:
-    """One target pass: what was drafted, verified and committed, what it cost, and why."""
-
-    width: int  # verify width of this target pass
-    drafted: int
-    accepted: int
-    confidence: tuple[float, ...]  # the drafter's per-position confidence
-    draft_n_total: int  # so far in this generation
-    accepted_total: int
-    decision: Decision | None = None  # the scheduler's choice and why, when it ran
-    index: int = 0  # 1-based round number in this generation
-    tokens: tuple[int, ...] = ()  # committed by this round: the accepted drafts, then the target's token
-    draft_ms: float = 0.0  # drafting time of this round (0 when it did not draft)
-    verify_ms: float = 0.0  # the target pass and the verification
-    t_s: float = 0.0  # seconds since the generation began, at the end of this round
-    telemetry: Snapshot | None = None  # the reading this round saw (None when nothing samples it)
-    drafting: dict | None = None  # what the drafter did this round and why, when it says (``last_proposal``)
-
-    def as_dict(self) -> dict:
-        """A JSON-ready record (one trace line)."""
-        from dataclasses import asdict
-
-        d = {"round": self.index, "t_s": round(self.t_s, 6), "width": self.width, "drafted": self.drafted,
-             "accepted": self.accepted, "tokens": list(self.tokens), "confidence": [round(c, 5) for c in self.confidence],
-             "draft_ms": round(self.draft_ms, 4), "verify_ms": round(self.verify_ms, 4),
-             "draft_n_total": self.draft_n_total, "accepted_total": self.accepted_total,
-             "decision": None, "telemetry": None, "drafting": self.drafting}
-        if self.decision is not None:
-            d["decision"] = asdict(self.decision)
-        if self.telemetry is not None:
-            d["telemetry"] = asdict(self.telemetry)
-        return d
-
-
-class _RoundStats:
-    """Accumulates per-round counts into GenerationStats."""
-
-    def __init__(self, max_drafts: int) -> None:
-        self.rounds = self.draft_n = self.accepted = self.bonus = 0
-        self.widths: dict[str, int] = {}
-        self.hist: dict[str, int] = {}
-        self.reached = np.zeros(max(1, max_drafts), dtype=np.int64)
-        self.kept = np.zeros(max(1, max_drafts), dtype=np.int64)
-        self.draft_s = self.verify_s = 0.0
-        self.modes: dict[str, int] = {}
-
-    def record(self, width: int, drafted: int, outcome) -> None:
-        self.rounds += 1
-        self.widths[str(width)] = self.widths.get(str(width), 0) + 1
-        if drafted:
-            self.draft_n += drafted
-            self.accepted += outcome.accepted
-            self.bonus += int(outcome.bonus)
-            self.hist[str(outcome.accepted)] = self.hist.get(str(outcome.accepted), 0) + 1
-            self.reached[:judged(drafted, outcome.accepted)] += 1
-            self.kept[:outcome.accepted] += 1
-
-    def finish(self, **kw) -> GenerationStats:
-        used = int(np.max(np.flatnonzero(self.reached), initial=-1)) + 1
-        per_pos = tuple(float(k / r) for k, r in zip(self.kept[:used], self.reached[:used]))
-        return GenerationStats(rounds=self.rounds, widths=self.widths, draft_n=self.draft_n,
-                               draft_n_accepted=self.accepted, accept_length_hist=self.hist,
-                               acceptance_per_position=per_pos, bonus_tokens=self.bonus,
-                               draft_s=self.draft_s, verify_s=self.verify_s, **kw)
-
-
-def _check_draft(draft: Draft, k_max: int, vocab: int) -> None:
-    """A drafter's proposal must be usable as is: a bad one counts as a drafter failure, never
-    reaches the target (an out-of-vocabulary id would fail the target pass)."""
-    k = len(draft)
-    if draft.tokens.ndim != 1 or k > k_max:
-        raise ValueError(f"draft has shape {draft.tokens.shape}; at most {k_max} tokens were asked for")
-    if k and (draft.tokens.min() < 0 or draft.tokens.max() >= vocab):
-        raise ValueError(f"draft token ids must lie in [0, {vocab}); got {draft.tokens.tolist()}")
-    c = draft.confidence
-    if c.shape != (k,) or (k and not (np.all(np.isfinite(c)) and c.min() >= 0.0 and c.max() <= 1.0)):
-        raise ValueError(f"draft confidences must be {k} numbers in [0, 1]; got {np.asarray(c).tolist()}")
-    if draft.q is not None and (draft.q.shape[0] != k or draft.q.ndim != 2 or draft.q.shape[1] != vocab):
-        raise ValueError(f"draft distributions have shape {draft.q.shape}; expected ({k}, {vocab})")
-
-
-def _survival_cut(confidence: np.ndarray, min_survival: float) -> int:
-    """How many drafts to keep: draft j (1-based) stays while prod(c_1..c_{j-1}) >= min_survival.
-
-    Draft 1 always stays; the decision for draft j uses only the confidences before it
-    (the early stop that keeps rejection sampling lossless)."""
-    survival = np.cumprod(confidence[:-1])
-    below = np.flatnonzero(survival < min_survival)
-    return int(below[0]) + 1 if below.size else int(confidence.shape[0])
+    def _record(self, info: RoundInfo) -> None:
+        self.last_round = info
+        p = self._pipeline
+        if p.observers:
+            p._notify("on_round", info)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -179,14 +179,14 @@ def test_sampled_speculative_follows_target_distribution(plain, tiny_engine, tin
 
 def test_distribution_check_catches_a_wrong_acceptance_rule(tiny_engine, tiny_draft_poor, monkeypatch):
     """The chi-square check has teeth: accepting every draft (a wrong rule) is caught."""
-    import dspark_edge.pipeline as pl
+    import dspark_edge.rounds as rounds
     from dspark_edge.verify import VerifyOutcome, verify_sampling
 
     def always_accept(drafts, q, logits, t, k, p, rng):
         full = verify_sampling(drafts[:0], None, logits[-1:], t, k, p, rng)
         return VerifyOutcome(len(drafts), tuple(int(x) for x in drafts) + full.tokens, True)
 
-    monkeypatch.setattr(pl, "verify_sampling", always_accept)
+    monkeypatch.setattr(rounds, "verify_sampling", always_accept)
     spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=tiny_draft_poor)
     prompt = "The quick brown fox The quick brown"
     exact = _exact_joint(spec, spec.encode_prompt(prompt), top_k=4)
@@ -294,16 +294,16 @@ def test_hidden_states_of_committed_positions_reach_the_drafter(tiny_engine):
     ([0.4], 0.9, 1),
 ])
 def test_survival_cut(conf, floor, keep):
-    from dspark_edge.pipeline import _survival_cut
+    from dspark_edge.rounds import survival_cut
 
-    assert _survival_cut(np.asarray(conf), floor) == keep
+    assert survival_cut(np.asarray(conf), floor) == keep
 
 
 def test_survival_cut_ignores_the_last_drafts_own_confidence():
-    from dspark_edge.pipeline import _survival_cut
+    from dspark_edge.rounds import survival_cut
 
-    a = _survival_cut(np.asarray([0.9, 0.9, 0.01]), 0.5)
-    b = _survival_cut(np.asarray([0.9, 0.9, 0.99]), 0.5)
+    a = survival_cut(np.asarray([0.9, 0.9, 0.01]), 0.5)
+    b = survival_cut(np.asarray([0.9, 0.9, 0.99]), 0.5)
     assert a == b == 3
 
 

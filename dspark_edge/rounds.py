@@ -1,0 +1,272 @@
+"""One decoding round: draft → choose the verify width → one target pass → verify → commit.
+
+``Speculator`` holds what one generation's rounds share (the drafter and its failure budget,
+the scheduler, the random generator, the counts) and runs a round at a time; without a
+drafter a round is a plain width-1 step. It knows nothing of text, stop strings or streaming
+(``pipeline.TextStream`` does), and it never commits more than the target verified: the KV
+cache after a round holds the anchor and the accepted drafts.
+
+Per round, in order: read telemetry; let the scheduler say whether to draft (and unload the
+drafter when memory is low); draft (a failing drafter counts toward ``MAX_DRAFTER_FAILURES``
+and never reaches the target); choose the width (scheduler, survival cut, or the fixed
+length), never padding a width the drafts do not fill; run the target over [anchor, drafts…];
+verify (greedy, coupled or rejection sampling); tell the scheduler the costs and the outcome,
+commit, record, and give the drafter its feedback.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import GenerationConfig, GenerationStats
+from .drafters import Draft, DraftRequest
+from .scheduler import Decision, Scheduler
+from .telemetry import Snapshot
+from .verify import VerifyOutcome, judged, verify_coupled, verify_greedy, verify_sampling
+
+log = logging.getLogger(__name__)
+
+MAX_DRAFTER_FAILURES = 3
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """One target pass: what was drafted, verified and committed, what it cost, and why."""
+
+    width: int  # verify width of this target pass
+    drafted: int
+    accepted: int
+    confidence: tuple[float, ...]  # the drafter's per-position confidence
+    draft_n_total: int  # so far in this generation
+    accepted_total: int
+    decision: Decision | None = None  # the scheduler's choice and why, when it ran
+    index: int = 0  # 1-based round number in this generation
+    tokens: tuple[int, ...] = ()  # committed by this round: the accepted drafts, then the target's token
+    draft_ms: float = 0.0  # drafting time of this round (0 when it did not draft)
+    verify_ms: float = 0.0  # the target pass and the verification
+    t_s: float = 0.0  # seconds since the generation began, at the end of this round
+    telemetry: Snapshot | None = None  # the reading this round saw (None when nothing samples it)
+    drafting: dict | None = None  # what the drafter did this round and why, when it says (``last_proposal``)
+
+    def as_dict(self) -> dict:
+        """A JSON-ready record (one trace line)."""
+        from dataclasses import asdict
+
+        d = {"round": self.index, "t_s": round(self.t_s, 6), "width": self.width, "drafted": self.drafted,
+             "accepted": self.accepted, "tokens": list(self.tokens), "confidence": [round(c, 5) for c in self.confidence],
+             "draft_ms": round(self.draft_ms, 4), "verify_ms": round(self.verify_ms, 4),
+             "draft_n_total": self.draft_n_total, "accepted_total": self.accepted_total,
+             "decision": None, "telemetry": None, "drafting": self.drafting}
+        if self.decision is not None:
+            d["decision"] = asdict(self.decision)
+        if self.telemetry is not None:
+            d["telemetry"] = asdict(self.telemetry)
+        return d
+
+
+class RoundStats:
+    """Accumulates per-round counts into GenerationStats."""
+
+    def __init__(self, max_drafts: int) -> None:
+        self.rounds = self.draft_n = self.accepted = self.bonus = 0
+        self.widths: dict[str, int] = {}
+        self.hist: dict[str, int] = {}
+        self.reached = np.zeros(max(1, max_drafts), dtype=np.int64)
+        self.kept = np.zeros(max(1, max_drafts), dtype=np.int64)
+        self.draft_s = self.verify_s = 0.0
+        self.modes: dict[str, int] = {}
+
+    def record(self, width: int, drafted: int, outcome) -> None:
+        self.rounds += 1
+        self.widths[str(width)] = self.widths.get(str(width), 0) + 1
+        if drafted:
+            self.draft_n += drafted
+            self.accepted += outcome.accepted
+            self.bonus += int(outcome.bonus)
+            self.hist[str(outcome.accepted)] = self.hist.get(str(outcome.accepted), 0) + 1
+            self.reached[:judged(drafted, outcome.accepted)] += 1
+            self.kept[:outcome.accepted] += 1
+
+    def finish(self, **kw) -> GenerationStats:
+        used = int(np.max(np.flatnonzero(self.reached), initial=-1)) + 1
+        per_pos = tuple(float(k / r) for k, r in zip(self.kept[:used], self.reached[:used]))
+        return GenerationStats(rounds=self.rounds, widths=self.widths, draft_n=self.draft_n,
+                               draft_n_accepted=self.accepted, accept_length_hist=self.hist,
+                               acceptance_per_position=per_pos, bonus_tokens=self.bonus,
+                               draft_s=self.draft_s, verify_s=self.verify_s, **kw)
+
+
+class Speculator:
+    """The rounds of one generation. ``pipe`` is the ``Pipeline`` (its target, telemetry,
+    manifest, and the drafter slot a memory unload empties); ``drafter`` None decodes plainly;
+    ``sched`` None verifies the fixed length (``cfg.draft_tokens``) or the survival cut;
+    ``max_drafts`` caps a round's drafts; ``seed`` is coupled sampling's, None otherwise."""
+
+    def __init__(self, pipe, cfg: GenerationConfig, drafter, sched: Scheduler | None, max_drafts: int,
+                 rng: np.random.Generator, seed: int | None) -> None:
+        self.pipe, self.cfg = pipe, cfg
+        self.drafter, self.sched = drafter, sched
+        self.max_drafts = max_drafts
+        self.rng, self.seed = rng, seed
+        self.stats = RoundStats(max_drafts)
+        self.disabled: str | None = None  # why speculation stopped mid-generation, when it did
+        self.failures = 0  # consecutive drafter failures
+        wants_hidden = drafter is not None and getattr(drafter, "needs_hidden", False)
+        # The target's hidden states since the drafter last read them (a DSpark drafter's input).
+        self.hidden_rows: list[np.ndarray] | None = [] if wants_hidden else None
+
+    def begin(self, committed: list[int], cache) -> None:
+        """After the prefill: bind a drafter that drafts over the target's KV cache, then start it."""
+        if self.drafter is None:
+            return
+        bind = getattr(self.drafter, "bind_target", None)
+        if bind is not None:
+            bind(self.pipe.target, cache)
+        self.drafter.begin(committed)
+
+    def round(self, cache, committed: list[int], pending: int, position: int, budget: int, t0: float,
+              record: Callable[[RoundInfo], None]) -> RoundInfo:
+        """One round after ``committed`` (extended here by ``pending`` and the accepted drafts).
+        ``position`` is the answer position of ``pending``'s successor; ``budget`` the most
+        drafts the answer can still use; ``record`` receives the round before the drafter's
+        feedback (observers see the drafter's state of the round)."""
+        snap = self.pipe.telemetry()
+        wants = self.sched is None or self.sched.wants_draft(snap)
+        if self.sched is not None and self.sched.memory_low and self.drafter is not None:
+            self._unload(snap)
+        k_max = min(self.max_drafts, budget, cache.free - 1)  # more would be wasted work
+        draft, draft_ms, said, t_d = Draft.empty(), 0.0, None, None
+        if self.drafter is not None and k_max > 0 and wants:
+            t_d = time.perf_counter()
+            draft, said = self._draft(committed + [pending], k_max, position)
+            draft_ms = (time.perf_counter() - t_d) * 1e3
+            self.stats.draft_s += draft_ms / 1e3
+        # Confidences that are already this generation's observed rates get no offset.
+        observed = bool(getattr(self.drafter, "observed_confidence", False))
+        draft, decision = self._choose(draft, snap, observed, draft_ms if t_d is not None else None)
+        width = len(draft) + 1
+        t_v = time.perf_counter()
+        outcome = self._verify(cache, pending, draft, position)
+        verify_ms = (time.perf_counter() - t_v) * 1e3
+        self.stats.verify_s += verify_ms / 1e3
+        if self.sched is not None:
+            self.sched.observe(width, verify_ms)
+            if t_d is not None:
+                # Every round that paid for drafting counts toward the gate, also one whose
+                # drafts were all declined: its token cost a draft and a pass.
+                self.sched.observe_round(1 + outcome.accepted, (time.perf_counter() - t_d) * 1e3)
+            if len(draft) and not observed:
+                self.sched.observe_acceptance(draft.confidence, outcome.accepted)
+        cache.commit(1 + outcome.accepted)  # the anchor and the accepted drafts
+        committed.append(pending)
+        committed.extend(outcome.tokens[:-1])
+        st = self.stats
+        st.record(width, len(draft), outcome)
+        info = RoundInfo(width, len(draft), outcome.accepted, tuple(float(c) for c in draft.confidence),
+                         st.draft_n, st.accepted, decision, index=st.rounds,
+                         tokens=tuple(int(t) for t in outcome.tokens), draft_ms=draft_ms, verify_ms=verify_ms,
+                         t_s=time.perf_counter() - t0, telemetry=snap, drafting=said)
+        record(info)
+        if self.drafter is not None and len(draft):
+            self.drafter.feedback(len(draft), outcome.accepted, committed)
+        return info
+
+    def _unload(self, snap: Snapshot) -> None:
+        """Memory is low: stop drafting, and release a drafter the pipeline can load again."""
+        self.disabled = f"available memory {snap.mem_available_mb:.0f} MiB is low: drafter unloaded"
+        log.warning("%s", self.disabled)
+        self.drafter, self.hidden_rows = None, None
+        if self.pipe._make_drafter is not None:
+            self.pipe.drafter, self.pipe._unloaded = None, True  # reloaded when memory allows
+
+    def _draft(self, context: list[int], k_max: int, position: int) -> tuple[Draft, dict | None]:
+        """The drafter's checked proposal and its account of it; an empty draft when it fails
+        (a drafter must never take the generation down; enough failures in a row disable it)."""
+        cfg, sched = self.cfg, self.sched
+        try:
+            new_hidden = None
+            if self.hidden_rows is not None:
+                new_hidden = np.concatenate(self.hidden_rows) if self.hidden_rows else None
+                self.hidden_rows.clear()
+            proposal = self.drafter.propose(DraftRequest(
+                context, k_max, cfg.temperature, cfg.top_k, cfg.top_p, new_hidden,
+                coupled_seed=self.seed, position=position,
+                verify_cost=None if sched is None else sched.costs.verify,
+                confidence_offset=0.0 if sched is None else sched.offset), self.rng)
+            check_draft(proposal, k_max, self.pipe.manifest.model.vocab_size)
+        except Exception as exc:
+            self.failures += 1
+            log.warning("drafter %s failed (%s: %s)", self.drafter.name, type(exc).__name__, exc)
+            if self.failures >= MAX_DRAFTER_FAILURES:
+                self.disabled = f"{self.failures} consecutive failures, last: {type(exc).__name__}: {exc}"
+                log.warning("speculation disabled for this generation: %s", self.disabled)
+                self.drafter, self.hidden_rows = None, None
+            return Draft.empty(), None
+        self.failures = 0
+        said = getattr(self.drafter, "last_proposal", None)
+        return proposal, (dict(said) if isinstance(said, dict) else None)
+
+    def _choose(self, draft: Draft, snap: Snapshot | None, observed: bool,
+                draft_ms: float | None) -> tuple[Draft, Decision | None]:
+        """The drafts to verify: the scheduler's width, else the survival cut (no fixed length),
+        then the widest listed width the drafts fill (an unfilled width is never padded).
+        ``draft_ms`` is this round's drafting time, None when it did not draft."""
+        decision = None
+        if self.sched is not None:
+            source = getattr(self.drafter, "source", None) if draft_ms is not None else None
+            decision = self.sched.decide(draft.confidence, snap, shift=not observed, source=source)
+            if draft_ms is not None:  # after the choice: it must not see this round's own time
+                self.sched.costs.observe_draft(draft_ms, source=source)
+            self.stats.modes[decision.mode] = self.stats.modes.get(decision.mode, 0) + 1
+            draft = draft.trimmed(decision.width - 1)
+        elif self.cfg.draft_tokens is None and len(draft) > 1:
+            draft = draft.trimmed(survival_cut(draft.confidence, self.cfg.min_survival))
+        width = max(w for w in self.pipe.target.widths if w <= len(draft) + 1)
+        return draft.trimmed(width - 1), decision
+
+    def _verify(self, cache, pending: int, draft: Draft, position: int) -> VerifyOutcome:
+        """One target pass over [pending, drafts…] and the verification of the drafts; row 0
+        decides answer position ``position``."""
+        cfg = self.cfg
+        out = self.pipe.target.step(cache, np.concatenate(([pending], draft.tokens)).astype(np.int64))
+        if cfg.temperature == 0.0:
+            outcome = verify_greedy(draft.tokens, out.logits)
+        elif self.seed is not None:
+            outcome = verify_coupled(draft.tokens, out.logits, cfg.temperature, cfg.top_k, cfg.top_p,
+                                     self.seed, position)
+        else:
+            outcome = verify_sampling(draft.tokens, draft.q, out.logits, cfg.temperature,
+                                      cfg.top_k, cfg.top_p, self.rng)
+        if self.hidden_rows is not None and out.hidden is not None:
+            self.hidden_rows.append(out.hidden[:1 + outcome.accepted].copy())
+        return outcome
+
+
+def check_draft(draft: Draft, k_max: int, vocab: int) -> None:
+    """A drafter's proposal must be usable as is: a bad one counts as a drafter failure, never
+    reaches the target (an out-of-vocabulary id would fail the target pass)."""
+    k = len(draft)
+    if draft.tokens.ndim != 1 or k > k_max:
+        raise ValueError(f"draft has shape {draft.tokens.shape}; at most {k_max} tokens were asked for")
+    if k and (draft.tokens.min() < 0 or draft.tokens.max() >= vocab):
+        raise ValueError(f"draft token ids must lie in [0, {vocab}); got {draft.tokens.tolist()}")
+    c = draft.confidence
+    if c.shape != (k,) or (k and not (np.all(np.isfinite(c)) and c.min() >= 0.0 and c.max() <= 1.0)):
+        raise ValueError(f"draft confidences must be {k} numbers in [0, 1]; got {np.asarray(c).tolist()}")
+    if draft.q is not None and (draft.q.shape[0] != k or draft.q.ndim != 2 or draft.q.shape[1] != vocab):
+        raise ValueError(f"draft distributions have shape {draft.q.shape}; expected ({k}, {vocab})")
+
+
+def survival_cut(confidence: np.ndarray, min_survival: float) -> int:
+    """How many drafts to keep: draft j (1-based) stays while prod(c_1..c_{j-1}) >= min_survival.
+
+    Draft 1 always stays; the decision for draft j uses only the confidences before it
+    (the early stop that keeps rejection sampling lossless)."""
+    survival = np.cumprod(confidence[:-1])
+    below = np.flatnonzero(survival < min_survival)
+    return int(below[0]) + 1 if below.size else int(confidence.shape[0])
