@@ -4,8 +4,9 @@ One loop serves plain and speculative decoding: each round the drafter (if any) 
 tokens, the target runs once over [pending token, drafts…] at a listed verify width, the
 drafts are verified (greedy or rejection sampling), and the KV cache keeps only the
 committed positions (``rounds.Speculator``); ``TextStream`` turns the committed tokens into
-text, stop strings and stop reasons. Without drafts a round is a plain width-1 step. Each generation starts
-from an empty KV cache, so a failed or cancelled generation leaves the pipeline usable.
+text, stop strings and stop reasons. Without drafts a round is a plain width-1 step. Each
+generation starts from an empty KV cache, so a failed or cancelled generation leaves the
+pipeline usable.
 One generation at a time per pipeline: a second concurrent call is refused with a clear
 error (create one pipeline per thread instead).
 """
