@@ -101,7 +101,9 @@ def _load(args, drafter=None, shared_threads: bool = False):
 
 def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--drafter", default=None,
-                   help="speculative decoding with 'dspark', 'dspark:int8', 'ngram' (prompt lookup, plus the "
+                   help="speculative decoding with 'auto' (the engine's DSpark drafter if it has one, else "
+                        "'ngram+self' for a target above INT8 on the CPU, else 'ngram'), "
+                        "'dspark', 'dspark:int8', 'ngram' (prompt lookup, plus the "
                         "engine's corpus n-gram table when it has one), 'ngram:online' (the table, confidences "
                         "estimated online), 'ngram:prompt' (prompt lookup alone), 'self' / 'self:<precision>' "
                         "(the engine's INT8 (or that precision's) graph drafts over the target's KV cache), "
@@ -214,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--depth", type=int, default=128, help="cached positions for the verify cost curve")
     b.add_argument("--repeats", type=int, default=15, help="timed repeats per width for the verify curve")
     b.add_argument("--drafter", default=None,
-                   help="compare plain decoding with this drafter ('dspark', 'dspark:int8', 'ngram', "
+                   help="compare plain decoding with this drafter ('auto': the one generate's 'auto' picks; "
+                        "'dspark', 'dspark:int8', 'ngram', "
                         "'ngram:online', 'ngram:prompt', 'self[:<precision>]', 'ngram+self[:<precision>]' or a "
                         "draft-model engine folder; several, comma-separated, are compared "
                         "in the same run), interleaved per prompt: verify width chosen per round by the "
@@ -390,6 +393,13 @@ def cmd_bench(args) -> int:
         from .drafters import create
         from .pipeline import drafter_backend_options
 
+        from .pipeline import auto_drafter
+
+        # "auto" stands for the drafter the loaded target's precision and device call for.
+        specs = [auto_drafter(m, pipe.target.precision, args.backend, pipe.target.session.providers)
+                 if s == "auto" else s for s in specs]
+        if len(set(specs)) != len(specs):
+            raise ConfigError(f"--drafter lists a drafter twice once 'auto' is resolved: {', '.join(specs)}")
         ks = [int(k) for k in args.draft_tokens.split(",")] if args.draft_tokens else \
             [w - 1 for w in pipe.target.widths if w > 1]
         drafters = [(specs[0] if len(specs) > 1 else pipe.drafter.name, pipe.drafter)]  # the first: loaded with the target

@@ -49,7 +49,8 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     when it has one, and the confidence model calibrated with it), "ngram:online" (the same table,
     confidences estimated online), "ngram:prompt" (prompt lookup alone), "self" / "self:<precision>" (the
     engine folder's INT8 graph, or that precision's, drafts for the target over its KV cache; the
-    target must be more precise), "ngram+self" (the n-gram drafter and that copy), the path of a
+    target must be more precise), "ngram+self" (the n-gram drafter and that copy), "auto" (the
+    one ``auto_drafter`` picks for this engine, precision and device), the path of a
     draft-model engine folder, or a Drafter object. ``verify_hashes`` checks the sha256 of the files
     this precision uses (sizes are always checked).
 
@@ -59,8 +60,11 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     """
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
-    drafter_options = drafter_backend_options(drafter, options)
     precision = precision or (manifest.precisions("target", backend) or [None])[0]
+    if drafter == "auto":
+        drafter = auto_drafter(manifest, precision, backend, (options or BackendOptions()).providers)
+        log.info("drafter 'auto': %s", drafter)
+    drafter_options = drafter_backend_options(drafter, options)
     verify_role_files(manifest, engine_dir, "target", precision, check_hashes=verify_hashes)
     target = DecoderModel(manifest, engine_dir, precision, backend, options)
     tokenizer = Tokenizer.from_engine(engine_dir, manifest)
@@ -78,6 +82,21 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     return pipe
 
 
+def auto_drafter(manifest: Manifest, precision: str, backend: str = "onnxruntime",
+                 providers: Sequence[str] = ("CPUExecutionProvider",)) -> str:
+    """The drafter ``drafter="auto"`` stands for: the engine folder's DSpark drafter when it has
+    one; else, for a target above INT8 on the CPU with the engine's INT8 graph at hand,
+    "ngram+self" (the fastest exact decoding measured on a CPU: docs/PERFORMANCE.md, "Where
+    things stand"); else "ngram". Self-drafting is CPU-only here: on a GPU the copy's cost
+    relative to the target's is unmeasured."""
+    if manifest.drafter is not None:
+        return "dspark"
+    on_cpu = backend == "onnxruntime" and tuple(providers) == ("CPUExecutionProvider",)
+    if on_cpu and precision != "int8" and "int8" in manifest.precisions("target", "onnxruntime"):
+        return "ngram+self"
+    return "ngram"
+
+
 def drafter_backend_options(drafter, options: BackendOptions | None) -> BackendOptions | None:
     """The backend options a drafter given by name or path runs with: those of the target, but
     without thread spinning for a drafter with its own model. Two sessions take turns on the
@@ -93,7 +112,8 @@ def drafter_backend_options(drafter, options: BackendOptions | None) -> BackendO
 
 
 def has_own_model(drafter) -> bool:
-    """Whether a drafter given by name or path runs a graph of its own beside the target."""
+    """Whether a drafter given by name or path runs a graph of its own beside the target
+    ("auto" may: it can stand for the DSpark drafter or self-drafting)."""
     return isinstance(drafter, (str, Path)) and str(drafter) not in (*NGRAM_SPECS, "none")
 
 

@@ -10,11 +10,12 @@ The answer streams with the tokens that came from accepted drafts underlined in 
 panel, updated every round, shows the variant in use (verify width, precision), the drafts'
 calibrated confidences, the accepted length, speed, free memory and RSS, temperature and
 throttling, CPU (and GPU) load, and what the confidence scheduler chose and why, with its
-latest switches (hot, parked, probing, gate). It decodes with the engine's DSpark drafter when
-it has one, else the model-free n-gram drafter (prompt lookup plus the engine's corpus table of
-the target's habitual continuations, when the folder has one) and, in a --race on the CPU, the
-engine's INT8 graph drafting for the FP32 target beside it (`ngram+self`); --drafter none decodes
-plainly. When stdout is not a terminal (or `rich` is missing) it prints plain lines.
+latest switches (hot, parked, probing, gate). It decodes with the drafter `--drafter auto`
+picks: the engine's DSpark drafter when it has one; else, for an FP32 target on the CPU (a
+--race, or --precision fp32), the model-free n-gram drafter with the engine's INT8 graph drafting
+beside it (`ngram+self`); else (the INT8 target, the default outside a race) the n-gram drafter
+alone (prompt lookup plus the engine's corpus table of the target's habitual continuations, when
+the folder has one). --drafter none decodes plainly. When stdout is not a terminal (or `rich` is missing) it prints plain lines.
 
 --race decodes the same prompt plainly and speculatively in turns (whichever has used less
 time goes next, so both get the same share of this machine) and reports the speedup of their
@@ -255,20 +256,6 @@ def is_self(drafter: str) -> bool:
     return drafter.partition(":")[0] in SELF_SPECS
 
 
-def default_drafter(manifest, available: list[str], precision: str | None, race: bool, backend: str,
-                    providers: tuple[str, ...]) -> str:
-    """The engine's DSpark drafter when it has one. Otherwise the n-gram drafter, except in a CPU
-    race (FP32), where the n-gram drafter with the engine's INT8 copy drafting is the fastest
-    exact decoding measured on a CPU (docs/PERFORMANCE.md, "The n-gram drafts continue the copy's").
-    ``precision`` is the one asked for (None: the most precise, ``available[0]``)."""
-    if manifest.drafter is not None:
-        return "dspark"
-    cpu_only = backend == "onnxruntime" and providers == ("CPUExecutionProvider",)
-    if race and cpu_only and "int8" in available and (precision or available[0]) != "int8":
-        return "ngram+self"
-    return "ngram"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default=str(DEFAULT_ENGINE), help="engine folder (default: %(default)s)")
@@ -277,10 +264,10 @@ def main() -> int:
                          "where INT8's width-dependent rounding would make the outputs drift apart)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question (default: %(default)r)")
     ap.add_argument("--drafter", default=None,
-                    help="'dspark' (default when the engine has one), 'ngram' (default otherwise: prompt lookup "
-                         "and the engine's n-gram table), 'ngram:prompt' (prompt lookup alone), 'self' / "
-                         "'ngram+self' (the engine's INT8 graph drafts for an FP32 target; the default of a CPU "
-                         "--race when the engine has an INT8 graph and no DSpark drafter), 'none' for plain "
+                    help="'auto' (default: the engine's DSpark drafter when it has one, else 'ngram+self' for "
+                         "an FP32 target on the CPU, as in --race, else 'ngram'), 'dspark', 'ngram' (prompt "
+                         "lookup and the engine's n-gram table), 'ngram:prompt' (prompt lookup alone), 'self' / "
+                         "'ngram+self' (the engine's INT8 graph drafts for an FP32 target), 'none' for plain "
                          "decoding, or a draft-model engine folder")
     ap.add_argument("--chat", action="store_true", help="interactive chat (empty line or Ctrl-D quits)")
     ap.add_argument("--race", action="store_true",
@@ -319,8 +306,7 @@ def main() -> int:
         # from INT8 plain output; the race compares at FP32 unless told otherwise.
         available = manifest.precisions("target", args.backend)
         providers = tuple(p for p in args.providers.split(",") if p)
-        drafter = args.drafter or default_drafter(manifest, available, args.precision, args.race, args.backend,
-                                                     providers)
+        drafter = args.drafter or "auto"
         # Self-drafting needs a target more precise than its INT8 copy.
         fast = "int8" if "int8" in available and not args.race and not is_self(drafter) else None
         precision = args.precision or fast
@@ -334,7 +320,8 @@ def main() -> int:
                                 backend=args.backend, options=options)
         pipe.start_telemetry()
         if args.trace:
-            trace = TraceWriter(args.trace, label=f"demo {manifest.model.name} drafter {drafter}")
+            name = pipe.drafter.name if pipe.drafter is not None else "none"
+            trace = TraceWriter(args.trace, label=f"demo {manifest.model.name} drafter {name}")
             pipe.add_observer(trace)
         cfg = dspark_edge.GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                            seed=args.seed, sampling=args.sampling)

@@ -122,6 +122,13 @@ def test_bench_compares_several_drafters_in_one_run(tiny_engine, tiny_draft_self
     assert variants[f"{tiny_draft_self} k=2"]["acceptance"] > 0.9  # the target's own weights: a real second drafter
     bad = run("bench", "--engine", str(tiny_engine), "--limit", "1", "--drafter", "ngram,ngram")
     assert bad.returncode == 2 and "twice" in bad.stderr
+    auto = run("bench", "--engine", str(tiny_engine), "--limit", "1", "--max-new-tokens", "8", "--repeats", "2",
+               "--depth", "16", "--drafter", "auto,ngram", "--draft-tokens", "2")
+    assert auto.returncode == 0, auto.stderr  # 'auto' is the FP32 target's ngram+self on this CPU
+    assert list(json.loads(auto.stdout)["comparison"]["variants"]) == [
+        "plain", "ngram+self auto", "ngram+self k=2", "ngram auto", "ngram k=2"]
+    twice = run("bench", "--engine", str(tiny_engine), "--limit", "1", "--drafter", "auto,ngram+self")
+    assert twice.returncode == 2 and "twice once 'auto' is resolved" in twice.stderr
 
 
 def test_readme_embedding_example_runs(tiny_engine):

@@ -135,6 +135,27 @@ def test_self_drafting_errors_name_the_fix(tiny_engine, tiny_portable):
         pipe.drafter.model.session.view_cache(other.target.new_cache())
 
 
+def test_auto_picks_the_drafter_for_the_precision_and_device(tiny_engine):
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from dspark_edge.drafters import create
+    from dspark_edge.pipeline import auto_drafter
+
+    assert dspark_edge.load(tiny_engine, "fp32", drafter="auto").drafter.name == "ngram+self:int8"
+    assert dspark_edge.load(tiny_engine, "int8", drafter="auto").drafter.name == "ngram"  # the copy would be the target
+    m = dspark_edge.read_manifest(tiny_engine)
+    assert auto_drafter(m, "fp32") == "ngram+self"
+    assert auto_drafter(m, "fp32", providers=("CUDAExecutionProvider", "CPUExecutionProvider")) == "ngram"
+    assert auto_drafter(m, "fp32", backend="tensorrt") == "ngram"
+    fp32_only = replace(m, variants=tuple(v for v in m.variants if v.precision != "int8"))
+    assert auto_drafter(fp32_only, "fp32") == "ngram"
+    # A folder with a DSpark drafter installed (its manifest section is all that is read).
+    assert auto_drafter(SimpleNamespace(drafter=object()), "fp32") == "dspark"
+    with pytest.raises(ConfigError, match="pass it to load"):
+        create("auto", m, engine_dir=tiny_engine)
+
+
 def test_shared_thread_pool_in_a_process_of_its_own(tiny_engine):
     """``shared_threads``: the target and the drafter run on the process-wide pool, and every
     session opened afterwards in that process too (onnxruntime refuses others once the pool

@@ -33,6 +33,9 @@ def create(spec, target_manifest, options=None, verify_hashes: bool = True, engi
 
     if spec is None or spec == "none":
         return None
+    if spec == "auto":
+        raise ConfigError("drafter 'auto' depends on the target's precision and device: pass it to load(), or "
+                          "resolve it first with dspark_edge.pipeline.auto_drafter")
     if hasattr(spec, "propose"):
         return spec
     if spec in NGRAM_SPECS:
