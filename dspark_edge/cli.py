@@ -509,11 +509,15 @@ def cmd_inspect(args) -> int:
     prof, status = load_profile(args.engine)
     sources = SystemReader().sources()
     table = _ngram_table_summary(args.engine, m)
+    from .pipeline import auto_drafter
+
+    auto = {p: auto_drafter(m, p) for p in m.precisions("target", "onnxruntime")}  # onnxruntime on the CPU
     if args.json:
         print(json.dumps({**to_json_dict(m), "profile": {"status": status,
                                                          "device_key": prof.device_key if prof else None,
                                                          "created_utc": prof.created_utc if prof else None},
                           "ngram_table": table,
+                          "auto_drafter": auto,
                           "telemetry_sources": sources,
                           "hashes_verified": bool(args.verify_hashes)}, indent=2))
         return 0
@@ -559,6 +563,9 @@ def cmd_inspect(args) -> int:
                   f"{cal['judged_drafts']} held-out drafts, log-loss {fit.get('log_loss')} "
                   f"(constant {(cal.get('constant') or {}).get('log_loss')}), ECE {fit.get('ece')}, "
                   f"AUROC {fit.get('auroc')}")
+    if auto:
+        print("auto       --drafter auto picks " + ", ".join(f"{d} for the {p} target" for p, d in auto.items())
+              + " (onnxruntime on the CPU)")
     if prof is None:
         from .profile import device_identity
 
