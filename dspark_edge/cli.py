@@ -391,9 +391,7 @@ def cmd_bench(args) -> int:
         from .bench import bench_compare
 
         from .drafters import create
-        from .pipeline import drafter_backend_options
-
-        from .pipeline import auto_drafter
+        from .pipeline import auto_drafter, drafter_backend_options
 
         # "auto" stands for the drafter the loaded target's precision and device call for.
         specs = [auto_drafter(m, pipe.target.precision, args.backend, pipe.target.session.providers)

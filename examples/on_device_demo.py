@@ -15,7 +15,8 @@ picks: the engine's DSpark drafter when it has one; else, for an FP32 target on 
 --race, or --precision fp32), the model-free n-gram drafter with the engine's INT8 graph drafting
 beside it (`ngram+self`); else (the INT8 target, the default outside a race) the n-gram drafter
 alone (prompt lookup plus the engine's corpus table of the target's habitual continuations, when
-the folder has one). --drafter none decodes plainly. When stdout is not a terminal (or `rich` is missing) it prints plain lines.
+the folder has one). --drafter none decodes plainly. When stdout is not a terminal (or `rich`
+is missing) it prints plain lines.
 
 --race decodes the same prompt plainly and speculatively in turns (whichever has used less
 time goes next, so both get the same share of this machine) and reports the speedup of their
@@ -260,8 +261,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default=str(DEFAULT_ENGINE), help="engine folder (default: %(default)s)")
     ap.add_argument("--precision", default=None,
-                    help="target precision (default: int8 when exported, else the most precise; fp32 with --race, "
-                         "where INT8's width-dependent rounding would make the outputs drift apart)")
+                    help="target precision (default: int8 when exported, else the most precise; the most "
+                         "precise with --race, where INT8's width-dependent rounding would make the outputs drift "
+                         "apart, and with a self drafter, whose INT8 copy drafts for a more precise target)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question (default: %(default)r)")
     ap.add_argument("--drafter", default=None,
                     help="'auto' (default: the engine's DSpark drafter when it has one, else 'ngram+self' for "
