@@ -23,18 +23,21 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dspark_edge.sampling import exp_shifted  # noqa: E402  (the same float32 exp as probs)
+
 SETTINGS = ((0.7, 0, 1.0), (0.7, 0, 0.9), (1.0, 0, 0.95), (0.7, 50, 0.9), (0.2, 0, 0.9), (1.0, 40, 1.0))
 
 
 def probs_by_full_sort(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
-    """The filter as plainly written: top-p over a full stable sort of the vocabulary."""
+    """The filter as plainly written: top-p over a full stable sort of the vocabulary (the
+    exponential is ``probs``'s own float32 one, whose precision is not what is compared)."""
     with np.errstate(over="ignore"):
         z = logits.astype(np.float64) / temperature
         vocab = z.shape[-1]
         if 0 < top_k < vocab:
             z = np.where(z >= np.partition(z, vocab - top_k)[vocab - top_k], z, -np.inf)
         top = z.max()
-        p = np.exp(z - top) if np.isfinite(top) else (logits == logits.max()).astype(np.float64)
+        p = exp_shifted(z - top) if np.isfinite(top) else (logits == logits.max()).astype(np.float64)
     p /= p.sum()
     if top_p < 1.0:
         order = np.argsort(-p, kind="stable")
