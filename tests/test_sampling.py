@@ -41,6 +41,45 @@ def test_top_k_one_is_greedy():
         assert choose(logits, 1.0, 1, 1.0, rng) == int(np.argmax(logits))
 
 
+def test_sampling_a_sparse_distribution_draws_what_the_full_sums_draw():
+    """Over the positive entries only (under a quarter of the vocabulary), ``sample`` must pick the
+    token the cumulative sums over the whole vocabulary pick, for the same random number."""
+    def full_sums(p, rng):
+        idx = int(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"))
+        return idx if idx < p.shape[0] else int(np.flatnonzero(p)[-1])
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        vocab = int(rng.choice([8, 100, 5000]))
+        p = np.zeros(vocab)
+        kept = rng.choice(vocab, size=max(1, vocab // int(rng.choice([5, 20, 1000]))), replace=False)
+        p[kept] = rng.random(kept.shape[0]) ** 3
+        p /= p.sum()
+        for seed in range(5):
+            got = sample(p, np.random.default_rng([trial, seed]))
+            assert got == full_sums(p, np.random.default_rng([trial, seed]))
+            assert p[got] > 0
+
+
+def test_probabilities_keep_float32_precision_over_a_large_vocabulary():
+    rng = np.random.default_rng(1)
+    logits = (rng.standard_normal(49152) * 4).astype(np.float32)
+    for t in (0.3, 0.7, 1.0, 2.0):
+        z = logits.astype(np.float64) / t
+        want = np.exp(z - z.max())
+        want /= want.sum()
+        got = probs(logits, t)
+        # float32 holds the shifted logit x to |x| * 6e-8, which is exp's relative error
+        x = np.log(want / want.max(), where=want > 0, out=np.full_like(want, -np.inf))
+        some = x > -87.0  # below, float32 exp's results are subnormal (and below e^-104, 0)
+        err = np.abs(got[some] / want[some] - 1.0)
+        assert np.all(err <= 2e-7 + 1.2e-7 * np.abs(x[some])), t
+        likely = x > -14.0  # every token within e^-14 of the most likely one
+        assert np.max(np.abs(got[likely] / want[likely] - 1.0)) < 2e-6, t
+        assert np.all(got[x < -104.0] == 0.0)
+        assert abs(got.sum() - 1.0) < 1e-12
+
+
 def test_greedy_is_argmax_and_ignores_rng():
     logits = np.array([0.1, 3.0, 2.9], dtype=np.float32)
     assert choose(logits, 0.0, 0, 1.0, np.random.default_rng(1)) == 1
