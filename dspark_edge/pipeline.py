@@ -201,6 +201,12 @@ class Pipeline:
             self._sampler.close()
             self._sampler = None
 
+    def _release_drafter(self) -> None:
+        """Under a memory squeeze: drop a drafter this pipeline can load again (its session's
+        memory goes with it); ``_restore_drafter`` takes it back once memory allows."""
+        if self._make_drafter is not None:
+            self.drafter, self._unloaded = None, True
+
     def _restore_drafter(self) -> None:
         """After a memory squeeze: take the drafter back once memory allows."""
         if self._unloaded and self._make_drafter is not None and self.scheduler is not None:

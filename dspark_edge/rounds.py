@@ -181,8 +181,7 @@ class Speculator:
         self.disabled = f"available memory {snap.mem_available_mb:.0f} MiB is low: drafter unloaded"
         log.warning("%s", self.disabled)
         self.drafter, self.hidden_rows = None, None
-        if self.pipe._make_drafter is not None:
-            self.pipe.drafter, self.pipe._unloaded = None, True  # reloaded when memory allows
+        self.pipe._release_drafter()
 
     def _draft(self, context: list[int], k_max: int, position: int) -> tuple[Draft, dict | None]:
         """The drafter's checked proposal and its account of it; an empty draft when it fails
