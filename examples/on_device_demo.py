@@ -33,7 +33,7 @@ from pathlib import Path
 
 import dspark_edge
 from dspark_edge.metrics import TraceWriter
-from dspark_edge.drafters import SELF_SPECS
+from dspark_edge.drafters import is_self_spec
 from dspark_edge.pipeline import has_own_model
 from dspark_edge.tokenizer import IncrementalDecoder
 
@@ -252,11 +252,6 @@ def run_prompt(pipe, prompt, cfg, live: bool, race: bool) -> Run:
     return spec
 
 
-def is_self(drafter: str) -> bool:
-    """Whether a drafter name drafts with another precision of the target's own graph."""
-    return drafter.partition(":")[0] in SELF_SPECS
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default=str(DEFAULT_ENGINE), help="engine folder (default: %(default)s)")
@@ -310,7 +305,7 @@ def main() -> int:
         providers = tuple(p for p in args.providers.split(",") if p)
         drafter = args.drafter or "auto"
         # Self-drafting needs a target more precise than its INT8 copy.
-        fast = "int8" if "int8" in available and not args.race and not is_self(drafter) else None
+        fast = "int8" if "int8" in available and not args.race and not is_self_spec(drafter) else None
         precision = args.precision or fast
         if args.race and drafter == "none":
             raise dspark_edge.ConfigError("--race compares plain and speculative decoding: give a drafter, "

@@ -15,10 +15,15 @@ from .ngram_table import NgramTable
 log = logging.getLogger(__name__)
 
 __all__ = ["AcceptanceTracker", "Draft", "DraftRequest", "Drafter", "NGRAM_SPECS", "NgramDrafter", "NgramTable", "SELF_SPECS",
-           "create"]
+           "create", "is_self_spec"]
 
 NGRAM_SPECS = ("ngram", "ngram:prompt", "ngram:online")  # the n-gram drafter by name: no model of its own
 SELF_SPECS = ("self", "ngram+self")  # a quantized copy of the target drafts (":<precision>", default int8)
+
+
+def is_self_spec(spec) -> bool:
+    """Whether a drafter given by name drafts with another precision of the target's own graph."""
+    return isinstance(spec, str) and spec.partition(":")[0] in SELF_SPECS
 
 
 def create(spec, target_manifest, options=None, verify_hashes: bool = True, engine_dir=None):
@@ -45,7 +50,7 @@ def create(spec, target_manifest, options=None, verify_hashes: bool = True, engi
         table = NgramTable.load_for(table_path, target_manifest)
         log.info("n-gram drafter: prompt lookup and the corpus table %s (%d contexts)", table_path, table.entries)
         return NgramDrafter(table=table, calibrated=spec != "ngram:online")
-    if isinstance(spec, str) and spec.partition(":")[0] in SELF_SPECS:
+    if is_self_spec(spec):
         from .self_draft import SelfDrafter
 
         if engine_dir is None:

@@ -286,6 +286,11 @@ class SelfDrafter:
                 ext, ext_at = self._extension(tokens, k_max - len(tokens), offset), len(tokens)
             return ext
 
+        def guessed(n: int) -> float:
+            """Expected accepted drafts among the next ``n`` the copy has not drawn yet, their
+            conditional confidences guessed as the last one."""
+            return sum(survival * last_c ** e for e in range(1, n + 1))
+
         def fills() -> bool:
             """A fixed length: do the n-gram drafts after the copy's promise more tokens per ms
             for the k drafts than the copy drafting the rest (same verify width either way)?"""
@@ -294,7 +299,7 @@ class SelfDrafter:
             d = max(self.step_ms, 1e-3)
             spent = staged_ms + steps * d
             reach = survival * float(np.cumprod(ext.confidence[:k_max - len(tokens)]).sum())
-            rest = sum(survival * last_c ** e for e in range(1, k_max - len(tokens) + 1))
+            rest = guessed(k_max - len(tokens))
             return ((1.0 + expected + reach) / (spent + fill_ms)
                     >= (1.0 + expected + rest) / (spent + (k_max - len(tokens)) * d + fill_ms))
 
@@ -350,7 +355,7 @@ class SelfDrafter:
                     spent = staged_ms + steps * d
                     more_ms = spent + (goal - len(tokens)) * d
                     now = (1.0 + expected) / (spent + cost(len(tokens) + 1))
-                    more = sum(survival * last_c ** e for e in range(1, goal - len(tokens) + 1))
+                    more = guessed(goal - len(tokens))
                     more = (1.0 + expected + more) / (more_ms + cost(goal + 1))
                     why = "further drafts not expected to pay"
                     if len(extension()):
