@@ -2,11 +2,60 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
 from .errors import ConfigError
+
+
+def check_field_types(obj, error: type[Exception] = ConfigError) -> None:
+    """Check (and normalise) every field of the frozen dataclass ``obj`` against its annotation,
+    before any range check: a bool field takes True/False only (``"no"`` is refused, not
+    truthy), an int field any integer but a bool (numpy integers become int), a float field any
+    finite real but a bool, a Literal one of its values, ``X | None`` None as well. The error
+    names the field, the value and what it takes. Fields of other types are left to the class."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        ok, fixed, wants = _check(hints[f.name], value)
+        if not ok:
+            raise error(f"{f.name} must be {wants}, got {value!r} ({type(value).__name__})")
+        if fixed is not value:
+            object.__setattr__(obj, f.name, fixed)
+
+
+def _check(hint, value) -> tuple[bool, object, str]:
+    """(value fits, the value normalised, what the hint takes in words)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        if value is None:
+            return True, None, ""
+        rest = [a for a in args if a is not type(None)]
+        ok, fixed, wants = _check(rest[0] if len(rest) == 1 else typing.Union[tuple(rest)], value)
+        return ok, fixed, f"{wants} or None"
+    if origin is Literal:
+        return value in args and isinstance(value, str | int), value, f"one of {list(args)}"
+    if hint is bool:
+        import numpy as np
+
+        if isinstance(value, bool | np.bool_):
+            return True, bool(value), "true or false"
+        return False, value, "true or false"
+    if hint is int:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_":
+            return True, int(value), "an integer"
+        return False, value, "an integer"
+    if hint is float:
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_":
+            value_f = float(value)
+            return math.isfinite(value_f), value_f, "a finite number"
+        return False, value, "a finite number"
+    return True, value, ""
 
 StopReason = Literal["eos", "stop_string", "max_new_tokens", "context_full", "cancelled", "error"]
 
@@ -23,6 +72,8 @@ class GenerationConfig:
     confidences, is at least ``min_survival`` (0 keeps every draft). The rule never looks at
     draft j's own confidence, so sampling stays lossless. ``context_policy``:
     "error" rejects a prompt that does not fit the context, "truncate" keeps its tail.
+    ``special_in_content``: chat message content is tokenized as text (a special-token string
+    in it cannot end or open a turn); True reads such strings as control tokens.
 
     ``sampling`` (temperature > 0): "rejection" (default) verifies drafts by rejection
     sampling; "coupled" draws the token of every answer position with noise seeded by
@@ -44,8 +95,18 @@ class GenerationConfig:
     draft_tokens: int | None = None  # drafts per round (verify width - 1); None: by min_survival
     min_survival: float = 0.3  # keep draft j while the drafter's survival prod(c_1..c_{j-1}) >= this
     sampling: Literal["rejection", "coupled"] = "rejection"
+    special_in_content: bool = False  # True: special-token strings in chat content are control tokens
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if not isinstance(self.stop, (tuple, list)) or not isinstance(self.stop_token_ids, (tuple, list)):
+            raise ConfigError(f"stop and stop_token_ids must be lists, got {self.stop!r} and {self.stop_token_ids!r}")
+        import numpy as np
+
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) if isinstance(t, np.integer) else t
+                                                         for t in self.stop_token_ids))
+        check_field_types(self)
         if not isinstance(self.min_survival, (int, float)) or not 0.0 <= self.min_survival <= 1.0:
             raise ConfigError(f"min_survival must be in [0, 1], got {self.min_survival!r}")
         if self.draft_tokens is not None and (isinstance(self.draft_tokens, bool)

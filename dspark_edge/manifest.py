@@ -36,8 +36,10 @@ class FileEntry:
     size: int
 
     def __post_init__(self) -> None:
-        if self.path.startswith("/") or ".." in self.path.split("/"):
-            raise ValueError(f"file path {self.path!r} must stay inside the engine folder")
+        parts = self.path.split("/")
+        if (not self.path or self.path.startswith("/") or "\\" in self.path or "\x00" in self.path
+                or any(part in ("", ".", "..") for part in parts) or ":" in parts[0]):
+            raise ValueError(f"file path {self.path!r} must be a relative '/'-separated path inside the engine folder")
         if len(self.sha256) != 64:
             raise ValueError(f"sha256 of {self.path!r} must be 64 hex digits")
 
@@ -253,6 +255,9 @@ class Manifest:
             seen.add(key)
         if self.tokenizer.file not in known:
             raise ValueError(f"tokenizer file {self.tokenizer.file!r} is not listed in files")
+        template = self.tokenizer.chat_template_file
+        if template is not None and template not in known:
+            raise ValueError(f"chat template file {template!r} is not listed in files")
         for e in self.tensorrt:
             if e.file not in known:
                 raise ValueError(f"TensorRT engine {e.file!r} is not listed in files")
@@ -308,6 +313,9 @@ class Manifest:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ManifestError(f"{where}: not valid JSON ({exc}); re-export the engine folder") from exc
+        except (RecursionError, ValueError) as exc:  # nesting too deep, an integer of thousands of digits
+            raise ManifestError(f"{where}: not a manifest this dspark_edge can read ({type(exc).__name__}: "
+                                f"{str(exc)[:120]}); re-export the engine folder") from None
         if isinstance(data, dict) and isinstance(data.get("schema_version"), int) \
                 and data["schema_version"] > SCHEMA_VERSION:
             raise ManifestError(
@@ -326,7 +334,12 @@ def read_manifest(engine_dir: str | os.PathLike) -> Manifest:
     if not path.is_file():
         raise ManifestError(f"{path} is missing: {engine_dir} is not an engine folder "
                             "(or its export did not finish); re-run `python -m export target`")
-    return Manifest.from_json(path.read_text(encoding="utf-8"), str(path))
+    data = read_bounded(engine_path(engine_dir, MANIFEST_NAME), MAX_MANIFEST_BYTES, ManifestError)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{path} is not UTF-8 text (byte {exc.start}); re-export the engine folder") from None
+    return Manifest.from_json(text, str(path))
 
 
 def write_manifest(manifest: Manifest, engine_dir: str | os.PathLike) -> Path:
@@ -336,6 +349,64 @@ def write_manifest(manifest: Manifest, engine_dir: str | os.PathLike) -> Path:
     tmp.write_text(manifest.to_json(), encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+MAX_MANIFEST_BYTES = 16 << 20  # far above any real manifest; a larger one is refused unread
+
+
+def engine_path(engine_dir: str | os.PathLike, rel: str) -> Path:
+    """The path of ``rel`` in ``engine_dir``, refused unless it names a regular file that lies
+    inside the folder once symlinks are resolved. Every file the runtime reads from an engine
+    folder goes through here: the folder is untrusted input, and a path or a link in it must
+    not make the runtime read a file elsewhere, a device or a FIFO."""
+    engine_dir = Path(engine_dir)
+    try:
+        FileEntry(rel, "0" * 64, 0)
+    except ValueError as exc:
+        raise EngineError(f"{engine_dir}: {exc}; re-export the engine folder") from None
+    path = engine_dir / rel
+    root = engine_dir.resolve()
+    real = path.resolve()
+    if real != root and root not in real.parents:
+        raise EngineError(f"{path} resolves to {real}, outside the engine folder {root}: "
+                          "an engine folder may only name its own files; re-export it")
+    if path.exists() and not path.is_file():
+        raise EngineError(f"{path} is not a regular file (a folder, device or FIFO); re-export the engine folder")
+    return path
+
+
+def read_bounded(path: Path, max_bytes: int, error: type[Exception] = EngineError) -> bytes:
+    """The bytes of ``path``, refused (unread past the limit) when it holds more than ``max_bytes``."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise error(f"cannot read {path} ({exc.strerror or exc}); check its permissions or re-export it") from None
+    if len(data) > max_bytes:
+        raise error(f"{path} is larger than {max_bytes} bytes, far more than a file of its kind needs; "
+                    "re-export the engine folder")
+    return data
+
+
+def read_engine_file(manifest: "Manifest", engine_dir: str | os.PathLike, rel: str, max_bytes: int,
+                     check_hash: bool = True) -> bytes:
+    """The bytes of a file the manifest lists, checked against its recorded size (and sha256)
+    before use; the bytes checked are the bytes returned (one read)."""
+    try:
+        entry = manifest.file_entry(rel)
+    except KeyError:
+        raise EngineError(f"{rel} is not listed in {MANIFEST_NAME}; re-export the engine folder") from None
+    path = engine_path(engine_dir, rel)
+    if not path.is_file():
+        raise EngineError(f"{path} is missing (listed in {MANIFEST_NAME}); re-export the engine folder")
+    data = read_bounded(path, max(max_bytes, 0))
+    if len(data) != entry.size:
+        raise EngineError(f"{path} has {len(data)} bytes but {MANIFEST_NAME} records {entry.size}: "
+                          "the file is truncated or was replaced; re-export the engine folder")
+    if check_hash and hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise EngineError(f"{path} does not match its sha256 in {MANIFEST_NAME}: the file is corrupted or "
+                          "was replaced; re-export it")
+    return data
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
@@ -357,7 +428,7 @@ def verify_files(manifest: Manifest, engine_dir: str | os.PathLike, paths: list[
     engine_dir = Path(engine_dir)
     wanted = manifest.files if paths is None else [manifest.file_entry(p) for p in paths]
     for entry in wanted:
-        path = engine_dir / entry.path
+        path = engine_path(engine_dir, entry.path)
         if not path.is_file():
             raise EngineError(f"{path} is missing (listed in {MANIFEST_NAME}); re-export the engine folder")
         size = path.stat().st_size
@@ -376,6 +447,6 @@ def verify_role_files(manifest: Manifest, engine_dir: str | os.PathLike, role: s
     """Check the graph files one role/precision uses (with their external data) and the tokenizer."""
     graphs = {v.file for v in manifest.variants_for(role, precision)}
     paths = [f.path for f in manifest.files
-             if f.path in graphs or f.path == manifest.tokenizer.file
+             if f.path in graphs or f.path in (manifest.tokenizer.file, manifest.tokenizer.chat_template_file)
              or any(f.path.startswith(g + ".") for g in graphs)]
     verify_files(manifest, engine_dir, paths, check_hashes=check_hashes)

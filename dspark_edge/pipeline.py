@@ -8,7 +8,11 @@ text, stop strings and stop reasons. Without drafts a round is a plain width-1 s
 generation starts from an empty KV cache, so a failed or cancelled generation leaves the
 pipeline usable.
 One generation at a time per pipeline: a second concurrent call is refused with a clear
-error (create one pipeline per thread instead).
+error (create one pipeline per thread instead). A pipeline and its twins share one loaded
+target: their streams may take turns in one thread, and a stream from a second thread is
+refused while one from the first is open. ``close()`` (or leaving a ``with`` block, or
+dropping the pipeline) stops its telemetry thread; a stream still running then ends with
+stop reason "cancelled", and later generations are refused.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +72,7 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     drafter_options = drafter_backend_options(drafter, options)
     verify_role_files(manifest, engine_dir, "target", precision, check_hashes=verify_hashes)
     target = DecoderModel(manifest, engine_dir, precision, backend, options)
-    tokenizer = Tokenizer.from_engine(engine_dir, manifest)
+    tokenizer = Tokenizer.from_engine(engine_dir, manifest, check_hashes=verify_hashes)
 
     def make_drafter():
         return create_drafter(drafter, manifest, options=drafter_options, verify_hashes=verify_hashes,
@@ -117,9 +122,34 @@ def has_own_model(drafter) -> bool:
     return isinstance(drafter, (str, Path)) and str(drafter) not in (*NGRAM_SPECS, "none")
 
 
+class _SharedTarget:
+    """Who is using a loaded target: the thread whose streams are open on it, and how many.
+    The target's session reuses its output buffers, so passes from two threads would overwrite
+    each other's logits; streams of one thread take turns safely."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.owner: int | None = None
+        self.open = 0
+
+    def enter(self) -> None:
+        me = threading.get_ident()
+        with self._lock:
+            if self.owner not in (None, me):
+                raise DSparkError("this pipeline's target is generating in another thread (through the pipeline "
+                                  "or one of its twins): finish that stream first, or load one pipeline per thread")
+            self.owner, self.open = me, self.open + 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.open -= 1
+            if self.open == 0:
+                self.owner = None
+
+
 class Pipeline:
     def __init__(self, manifest: Manifest, engine_dir: Path, target: DecoderModel, tokenizer: Tokenizer,
-                 drafter=None) -> None:
+                 drafter=None, *, shared: _SharedTarget | None = None) -> None:
         self.manifest = manifest
         self.drafter = drafter
         self.engine_dir = engine_dir
@@ -128,6 +158,9 @@ class Pipeline:
         self.eos_ids = frozenset(manifest.tokenizer.eos_ids)
         self._cache = target.new_cache()
         self._lock = threading.Lock()
+        self._shared = shared or _SharedTarget()
+        self._streams: weakref.WeakSet = weakref.WeakSet()  # open streams, cancelled by close()
+        self.closed = False
         self.scheduler: Scheduler | None = None
         self._sampler: Sampler | None = None
         self._make_drafter = None
@@ -150,8 +183,13 @@ class Pipeline:
             log.warning("the device profile was measured while throttled; costs are corrected online")
         self.scheduler = Scheduler(CostModel(verify, 0.0, config.cost_window, config.min_observations),
                                    self.target.widths, config)
-        self._sampler = Sampler(telemetry or SystemReader())
+        self._set_sampler(Sampler(telemetry or SystemReader()))
         self._make_drafter = make_drafter
+
+    def _set_sampler(self, sampler: Sampler) -> None:
+        """Own ``sampler``: its thread stops at ``close()`` or when this pipeline is collected."""
+        self._sampler = sampler
+        self._finalizer = weakref.finalize(self, sampler.close)
 
     def telemetry(self) -> Snapshot | None:
         """The latest background telemetry reading (None when nothing samples it: see
@@ -163,8 +201,9 @@ class Pipeline:
         displays). A no-op when it already runs."""
         from .telemetry import SystemReader
 
+        self._check_open()
         if self._sampler is None:
-            self._sampler = Sampler(reader or SystemReader())
+            self._set_sampler(Sampler(reader or SystemReader()))
 
     # -- observers --------------------------------------------------------------------------
     def add_observer(self, observer) -> None:
@@ -194,12 +233,29 @@ class Pipeline:
         drafter: plain decoding next to this one without loading the model twice. The two may
         take turns in one thread (as the demo's race does), not run in two threads at once:
         they share the session's output buffers."""
-        return Pipeline(self.manifest, self.engine_dir, self.target, self.tokenizer, None)
+        self._check_open()
+        return Pipeline(self.manifest, self.engine_dir, self.target, self.tokenizer, None, shared=self._shared)
 
     def close(self) -> None:
-        if self._sampler is not None:
-            self._sampler.close()
-            self._sampler = None
+        """Stop the telemetry thread and end this pipeline: a stream still running ends after its
+        current round (stop reason "cancelled"), later generations are refused. Safe from any
+        thread, and more than once."""
+        self.closed = True
+        for stream in list(self._streams):
+            stream.cancel()
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            sampler.close()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise DSparkError("this pipeline is closed: load the engine again with dspark_edge.load()")
 
     def _release_drafter(self) -> None:
         """Under a memory squeeze: drop a drafter this pipeline can load again (its session's
@@ -219,14 +275,16 @@ class Pipeline:
             log.info("drafter reloaded")
 
     # -- prompts ----------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """Token ids of a text prompt (used as is) or of chat messages (through the chat template)."""
+    def encode_prompt(self, prompt: Prompt, special_in_content: bool = False) -> list[int]:
+        """Token ids of a text prompt (used as is, special-token strings included) or of chat
+        messages (through the chat template; their content is text, special-token strings in it
+        included, unless ``special_in_content``)."""
         if isinstance(prompt, (str, bytes, bytearray)):
             if not prompt.strip():
                 raise PromptError("prompt is empty or whitespace only: give some text or chat messages")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = self.tokenizer.encode_chat(prompt)
+            ids = self.tokenizer.encode_chat(prompt, special_in_content=special_in_content)
         if not ids:
             raise PromptError("prompt encodes to no tokens: give some text or chat messages")
         return ids
@@ -253,19 +311,24 @@ class Pipeline:
 
     def stream(self, prompt: Prompt, config: GenerationConfig | None = None, **overrides) -> "TextStream":
         """An iterator of text pieces as they are decided; ``.result`` is set when it ends."""
+        self._check_open()
         config = config or GenerationConfig()
         if overrides:
-            try:
-                config = replace(config, **overrides)
-            except TypeError as exc:
-                raise ConfigError(f"unknown generation option: {exc}") from exc
+            known = {f.name for f in fields(GenerationConfig)}
+            unknown = sorted(set(overrides) - known)
+            if unknown:
+                raise ConfigError(f"unknown generation option {', '.join(unknown)}; GenerationConfig has "
+                                  f"{', '.join(sorted(known))}")
+            config = replace(config, **overrides)
         vocab = self.manifest.model.vocab_size
         if any(t >= vocab for t in config.stop_token_ids):
             raise ConfigError(f"stop_token_ids {list(config.stop_token_ids)} lie outside the vocabulary "
                               f"(ids 0..{vocab - 1})")
-        ids = self.encode_prompt(prompt)
+        ids = self.encode_prompt(prompt, config.special_in_content)
         ids, truncated = self._fit_context(ids, config)
-        return TextStream(self, ids, truncated, config)
+        stream = TextStream(self, ids, truncated, config)
+        self._streams.add(stream)
+        return stream
 
 
 class TextStream:
@@ -300,12 +363,19 @@ class TextStream:
 
     def _run(self) -> Iterator[str]:
         p = self._pipeline
+        p._check_open()
         if not p._lock.acquire(blocking=False):
             raise DSparkError("this pipeline is already generating in another thread or stream: "
                               "finish that one first, or load one pipeline per thread")
         try:
+            p._shared.enter()
+        except DSparkError:
+            p._lock.release()
+            raise
+        try:
             yield from self._decode(p)
         finally:
+            p._shared.leave()
             p._lock.release()
 
     def _decode(self, p: Pipeline) -> Iterator[str]:

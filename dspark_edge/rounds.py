@@ -32,6 +32,7 @@ from .verify import VerifyOutcome, judged, verify_coupled, verify_greedy, verify
 log = logging.getLogger(__name__)
 
 MAX_DRAFTER_FAILURES = 3
+Q_SUM_TOLERANCE = 1e-3  # float32 softmax rows over a 256k vocabulary sum to 1 within ~1e-5
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,13 @@ class Speculator:
         """After the prefill: bind a drafter that drafts over the target's KV cache, then start it."""
         if self.drafter is None:
             return
-        bind = getattr(self.drafter, "bind_target", None)
-        if bind is not None:
-            bind(self.pipe.target, cache)
-        self.drafter.begin(committed)
+        try:
+            bind = getattr(self.drafter, "bind_target", None)
+            if bind is not None:
+                bind(self.pipe.target, cache)
+            self.drafter.begin(committed)
+        except Exception as exc:  # a drafter that could not start is not asked to propose
+            self._failed("begin", exc, fatal=True)
 
     def round(self, cache, committed: list[int], pending: int, position: int, budget: int, t0: float,
               record: Callable[[RoundInfo], None]) -> RoundInfo:
@@ -135,6 +139,7 @@ class Speculator:
         ``position`` is the answer position of ``pending``'s successor; ``budget`` the most
         drafts the answer can still use; ``record`` receives the round before the drafter's
         feedback (observers see the drafter's state of the round)."""
+        failures = self.failures
         snap = self.pipe.telemetry()
         wants = self.sched is None or self.sched.wants_draft(snap)
         if self.sched is not None and self.sched.memory_low and self.drafter is not None:
@@ -173,7 +178,12 @@ class Speculator:
                          t_s=time.perf_counter() - t0, telemetry=snap, drafting=said)
         record(info)
         if self.drafter is not None and len(draft):
-            self.drafter.feedback(len(draft), outcome.accepted, committed)
+            try:
+                self.drafter.feedback(len(draft), outcome.accepted, committed)
+            except Exception as exc:
+                self._failed("feedback", exc)
+        if self.failures == failures:  # a round without a failure ends the run of failures
+            self.failures = 0
         return info
 
     def _unload(self, snap: Snapshot) -> None:
@@ -199,16 +209,23 @@ class Speculator:
                 confidence_offset=0.0 if sched is None else sched.offset), self.rng)
             check_draft(proposal, k_max, self.pipe.manifest.model.vocab_size)
         except Exception as exc:
-            self.failures += 1
-            log.warning("drafter %s failed (%s: %s)", self.drafter.name, type(exc).__name__, exc)
-            if self.failures >= MAX_DRAFTER_FAILURES:
-                self.disabled = f"{self.failures} consecutive failures, last: {type(exc).__name__}: {exc}"
-                log.warning("speculation disabled for this generation: %s", self.disabled)
-                self.drafter, self.hidden_rows = None, None
+            self._failed("propose", exc)
             return Draft.empty(), None
-        self.failures = 0
         said = getattr(self.drafter, "last_proposal", None)
         return proposal, (dict(said) if isinstance(said, dict) else None)
+
+    def _failed(self, where: str, exc: Exception, fatal: bool = False) -> None:
+        """Every drafter failure (in begin, propose or feedback) takes this path: logged, counted
+        toward ``MAX_DRAFTER_FAILURES`` rounds in a row (``fatal``: at once), then speculation stops
+        for this generation. The output never depends on it: a failed proposal verifies no drafts."""
+        self.failures = MAX_DRAFTER_FAILURES if fatal else self.failures + 1
+        log.warning("drafter %s failed in %s (%s: %s)", getattr(self.drafter, "name", "?"), where,
+                    type(exc).__name__, exc)
+        if self.failures >= MAX_DRAFTER_FAILURES:
+            self.disabled = (f"failed to start, in {where}: " if fatal else
+                             f"{self.failures} consecutive failures, last in {where}: ") + f"{type(exc).__name__}: {exc}"
+            log.warning("speculation disabled for this generation: %s", self.disabled)
+            self.drafter, self.hidden_rows = None, None
 
     def _choose(self, draft: Draft, snap: Snapshot | None, observed: bool,
                 draft_ms: float | None) -> tuple[Draft, Decision | None]:
@@ -257,8 +274,17 @@ def check_draft(draft: Draft, k_max: int, vocab: int) -> None:
     c = draft.confidence
     if c.shape != (k,) or (k and not (np.all(np.isfinite(c)) and c.min() >= 0.0 and c.max() <= 1.0)):
         raise ValueError(f"draft confidences must be {k} numbers in [0, 1]; got {np.asarray(c).tolist()}")
-    if draft.q is not None and (draft.q.shape[0] != k or draft.q.ndim != 2 or draft.q.shape[1] != vocab):
-        raise ValueError(f"draft distributions have shape {draft.q.shape}; expected ({k}, {vocab})")
+    q = draft.q
+    if q is not None and (q.ndim != 2 or q.shape[0] != k or q.shape[1] != vocab):
+        raise ValueError(f"draft distributions have shape {q.shape}; expected ({k}, {vocab})")
+    if q is not None and k:
+        # Rejection sampling is lossless only for a real distribution q: a negative, non-finite
+        # or unnormalised row would bias the output, so it is a drafter failure like a bad id.
+        sums = q.sum(axis=1, dtype=np.float64)
+        if not np.all(np.isfinite(sums)) or q.min() < 0.0 or np.abs(sums - 1.0).max() > Q_SUM_TOLERANCE:
+            raise ValueError(f"draft distributions must be finite, non-negative and sum to 1 "
+                             f"(within {Q_SUM_TOLERANCE:g}); row sums {np.round(sums, 6).tolist()}, "
+                             f"min {float(q.min()):.3g}")
 
 
 def survival_cut(confidence: np.ndarray, min_survival: float) -> int:

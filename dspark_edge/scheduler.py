@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .config import check_field_types
 from .errors import ConfigError
 from .telemetry import Snapshot
 
@@ -150,6 +151,9 @@ class SchedulerConfig:
     explore_every: int = 16  # drafts offered and declined this many rounds in a row: verify one (0: never)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.max_record < 1:
+            raise ConfigError(f"max_record must be >= 1, got {self.max_record}")
         if not self.hot_c < self.park_c:
             raise ConfigError(f"hot_c ({self.hot_c}) must be below park_c ({self.park_c})")
         if self.hysteresis_c < 0 or self.energy_bias < 0:
@@ -281,7 +285,11 @@ class Scheduler:
         self.decisions: deque[Decision] = deque(maxlen=self.config.max_record)
 
     # -- modes ------------------------------------------------------------------------------
-    def update_modes(self, snap: Snapshot) -> None:
+    def update_modes(self, snap: Snapshot | None) -> None:
+        """Hot, parked and memory modes from a reading; None (nothing samples telemetry, or the
+        pipeline was closed) keeps the modes as they are."""
+        if snap is None:
+            return
         cfg, t = self.config, snap.max_temp_c
         hot = snap.throttling or (t is not None and t >= cfg.hot_c)
         cool = not snap.throttling and (t is None or t < cfg.hot_c - cfg.hysteresis_c)

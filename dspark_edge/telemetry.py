@@ -263,22 +263,44 @@ class TraceReplayer:
 
 
 class Sampler:
-    """Reads ``reader`` every ``interval_s`` in a daemon thread; ``latest`` never blocks."""
+    """Reads ``reader`` every ``interval_s`` in a daemon thread; ``latest`` never blocks.
 
-    def __init__(self, reader: Reader, interval_s: float = 0.2) -> None:
+    The first reading is waited for at most ``first_wait_s``: a reader that fails or blocks
+    leaves ``latest`` at an empty snapshot (nothing known: no temperatures, no memory figures),
+    with a warning, and never stops a load. A reading that is not a Snapshot counts as a
+    failed one."""
+
+    def __init__(self, reader: Reader, interval_s: float = 0.2, first_wait_s: float = 2.0) -> None:
         self.reader, self.interval_s = reader, interval_s
-        self.latest: Snapshot = sanitized(reader.read())
+        self.latest: Snapshot = Snapshot(t=time.monotonic())
         self._stop = threading.Event()
+        self._first = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dspark-telemetry", daemon=True)
         self._thread.start()
+        if not self._first.wait(first_wait_s):
+            log.warning("telemetry reader %r gave no reading within %.1f s; running without telemetry until it does",
+                        reader, first_wait_s)
+
+    def _read(self) -> None:
+        try:
+            snap = self.reader.read()
+            if not isinstance(snap, Snapshot):
+                raise TypeError(f"read() returned {type(snap).__name__}, not a Snapshot")
+            self.latest = sanitized(snap)  # one reference swap: readers see old or new
+        except Exception as exc:  # telemetry must never take decoding down
+            log.warning("telemetry read failed: %s: %s", type(exc).__name__, exc)
 
     def _run(self) -> None:
+        self._read()
+        self._first.set()
         while not self._stop.wait(self.interval_s):
-            try:
-                self.latest = sanitized(self.reader.read())  # one reference swap: readers see old or new
-            except Exception as exc:  # telemetry must never take decoding down
-                log.warning("telemetry read failed: %s", exc)
+            self._read()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2.0)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2.0)

@@ -9,12 +9,17 @@ Backends know nothing about tokenization, sampling or speculation.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from ..errors import BackendError
+from ..config import check_field_types
+from ..errors import BackendError, ConfigError
+
+MIN_CONTEXT = 16  # tokens: the smallest KV cache a load accepts
+MAX_THREADS_PER_CORE = 4
 
 
 @dataclass(frozen=True)
@@ -47,12 +52,17 @@ class BackendOptions:
         return list(self.provider_options) or [{} for _ in self.providers]
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.device_id < 0:
-            raise BackendError(f"device_id must be >= 0, got {self.device_id}")
-        if self.max_context < 2:
-            raise BackendError(f"max_context must be >= 2, got {self.max_context}")
-        if self.intra_op_threads is not None and self.intra_op_threads < 1:
-            raise BackendError(f"intra_op_threads must be >= 1 or None, got {self.intra_op_threads}")
+            raise ConfigError(f"device_id must be >= 0, got {self.device_id}")
+        if self.max_context < MIN_CONTEXT:
+            raise ConfigError(f"max_context must be >= {MIN_CONTEXT} tokens (a prompt, a verify pass and its "
+                              f"drafts must fit), got {self.max_context}")
+        cores = os.cpu_count() or 1
+        if self.intra_op_threads is not None and not 1 <= self.intra_op_threads <= MAX_THREADS_PER_CORE * cores:
+            raise ConfigError(f"intra_op_threads must be between 1 and {MAX_THREADS_PER_CORE * cores} "
+                              f"({MAX_THREADS_PER_CORE}× this machine's {cores} cores: more threads only wait on "
+                              f"each other) or None, got {self.intra_op_threads}")
 
 
 @dataclass

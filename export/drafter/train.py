@@ -294,6 +294,22 @@ def save_checkpoint(path: Path, model: DSparkDraft, opt, step: int, history: lis
     os.replace(tmp, path)
 
 
+def load_checkpoint(path: Path) -> dict:
+    """A work folder's checkpoint, read as data only (``weights_only``: tensors, numbers,
+    strings, lists and dicts; a pickle that would run code is refused, not executed)."""
+    from dspark_edge.errors import ExportError
+
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError or EOFError by cause
+        raise ExportError(f"{path} is not a checkpoint this exporter wrote ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); delete it to start the "
+                          "training afresh") from None
+    if not isinstance(state, dict) or not {"model", "opt", "step", "history"} <= set(state):
+        raise ExportError(f"{path} lacks the fields of a training checkpoint; delete it to start afresh")
+    return state
+
+
 def train(model: DSparkDraft, data: Sequences, train_ids, val_ids, work: Path, opts: TrainOptions,
           progress=None, answers: int | None = None) -> dict:
     """Train until ``opts.steps``, resuming from ``work/checkpoint.pt`` when present. Sequences
@@ -304,7 +320,7 @@ def train(model: DSparkDraft, data: Sequences, train_ids, val_ids, work: Path, o
     opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.01, betas=(0.9, 0.95))
     ckpt, step, history = work / "checkpoint.pt", 0, []
     if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False)
+        state = load_checkpoint(ckpt)
         model.load_state_dict(state["model"], strict=False)
         opt.load_state_dict(state["opt"])
         step, history = state["step"], state["history"]
