@@ -106,7 +106,7 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
     warm = prompts[0].get("messages") or prompts[0]["prompt"]
     order_rng = np.random.default_rng(seed)
 
-    initial = pipe.scheduler  # None when the pipeline was loaded without one
+    initial, own = pipe.scheduler, pipe.drafter  # the scheduler is None when loaded without one
     schedulers = {} if initial is None else {id(d): copy.deepcopy(initial) for _, d, _ in variants if d is not None}
 
     def run(drafter, prompt, overrides, run_seed):
@@ -133,7 +133,7 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
                                    "tokens_per_s": s.tokens_per_s, "decode_s": s.decode_s,
                                    "new_tokens": s.new_tokens, "rounds": s.rounds, "draft_n": s.draft_n,
                                    "draft_n_accepted": s.draft_n_accepted, "hist": dict(s.accept_length_hist),
-                                   "widths": dict(s.widths)})
+                                   "widths": dict(s.widths), "drafter_disabled": s.drafter_disabled})
             baseline = tokens[variants[0][0]]
             for name in tokens:
                 rows[name][-1]["exact"] = tokens[name] == baseline if comparable else None
@@ -168,8 +168,13 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
             "mean_accepted_length": round((accepted + rounds) / rounds, 3) if rounds else None,
             "exact_prompts": f"{sum(r['exact'] for r in rs)}/{len(rs)}" if comparable else None,
             "tokens_per_s_by_category": {c: round(statistics.mean(v), 2) for c, v in per_cat.items()},
+            # Runs in which the drafter failed and speculation stopped: their speed is not the drafter's.
+            "drafter_failures": sum(r["drafter_disabled"] is not None for r in rs),
         }
-    pipe.drafter, pipe.scheduler = None, initial
+        failures = [r["drafter_disabled"] for r in rs if r["drafter_disabled"]]
+        if failures:
+            summary[name]["drafter_failure"] = failures[-1]
+    pipe.drafter, pipe.scheduler = own, initial
     for name, drafter, overrides in variants:
         if id(drafter) in schedulers and "draft_tokens" not in overrides:
             sched = schedulers[id(drafter)]

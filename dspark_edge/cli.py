@@ -1,7 +1,8 @@
 """``python -m dspark_edge``: generate, chat, bench, profile, inspect and plot from the command line.
 
-Exit codes: 0 success, 1 generation failed mid-way (partial output printed), 2 bad input
-(engine folder, options, prompt), 130 interrupted (Ctrl-C).
+Exit codes: 0 success, 1 generation failed mid-way (partial output printed) or a drafter
+failed during a benchmark, 2 bad input (engine folder, options, prompt, an output that cannot
+be written), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import replace
 from . import __version__
 from .backends import BackendOptions
 from .config import GenerationConfig
-from .errors import ConfigError, DSparkError, GenerationError
+from .errors import ConfigError, DSparkError, GenerationError, PromptError
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -140,52 +141,79 @@ def _generation_config(args) -> GenerationConfig:
                             context_policy=args.context_policy, sampling=args.sampling)
 
 
+def check_outputs(args) -> None:
+    """The --trace / --prometheus / --plot paths, checked before the engine loads."""
+    from .paths import output_file
+
+    for option in ("trace", "prometheus", "plot"):
+        path = getattr(args, option, None)
+        if path:
+            output_file(path, f"--{option}")
+
+
 class _Outputs:
-    """The --trace / --prometheus / --plot outputs of generate and chat, as pipeline observers."""
+    """The --trace / --prometheus / --plot outputs of generate and chat, as one pipeline observer.
+    A write that fails (disk full) is kept in ``error`` and stops those outputs; ``close()``
+    raises it, so the command ends with exit 2 after the answer it printed."""
 
     def __init__(self, pipe, args) -> None:
-        from pathlib import Path
-
-        from .errors import ConfigError
         from .metrics import PrometheusMetrics, TraceWriter
 
-        for option, path in (("--prometheus", args.prometheus), ("--plot", args.plot)):
-            if path and not Path(path).resolve().parent.is_dir():
-                raise ConfigError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist")
-        self.args, self.rounds = args, []
+        check_outputs(args)
+        self.args, self.rounds, self.error = args, [], None
         self.trace = TraceWriter(args.trace, label=f"{args.command} {args.engine}") if args.trace else None
         self.prom = PrometheusMetrics() if args.prometheus else None
         if args.trace or args.plot or args.prometheus:
             pipe.start_telemetry()
-        for obs in (self.trace, self.prom, self):
-            if obs is not None:
-                pipe.add_observer(obs)
+        pipe.add_observer(self)
+
+    def _guarded(self, fn, *a) -> None:
+        from .errors import OutputError
+
+        if self.error is None:
+            try:
+                fn(*a)
+            except OutputError as exc:
+                self.error = exc
 
     def on_round(self, info) -> None:
+        if self.trace is not None:
+            self._guarded(self.trace.on_round, info)
+        if self.prom is not None:
+            self.prom.on_round(info)
         if self.args.plot:
             self.rounds.append(info.as_dict())
 
     def on_generation(self, result) -> None:
+        if self.trace is not None:
+            self._guarded(self.trace.on_generation, result)
         if self.prom is not None:
-            self.prom.write(self.args.prometheus)
+            self.prom.on_generation(result)
+            self._guarded(self.prom.write, self.args.prometheus)
         if self.args.plot and self.rounds:
-            from .plots import plot_timeline
-
-            drawn = plot_timeline(self.rounds, self.args.plot)
-            print(f"[plot] {self.args.plot}: {', '.join(drawn)}", file=sys.stderr)
+            self._guarded(self._plot)
         self.rounds = []
+
+    def _plot(self) -> None:
+        from .plots import plot_timeline
+
+        drawn = plot_timeline(self.rounds, self.args.plot)
+        print(f"[plot] {self.args.plot}: {', '.join(drawn)}", file=sys.stderr)
 
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+        if self.error is not None:
+            raise self.error
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dspark_edge",
                                      description="On-device speculative decoding runtime (DSpark).",
                                      epilog="Exit codes: 0 success, 1 a generation failed mid-way (the partial "
-                                            "output is printed), 2 bad input (engine, option, prompt), "
-                                            "130 interrupted. `python -m dspark_edge COMMAND --help` explains "
+                                            "output is printed) or a drafter failed during bench, 2 bad input "
+                                            "(engine, option, prompt, an output that cannot be written), "
+                                            "130 interrupted, 143 terminated. `python -m dspark_edge COMMAND --help` explains "
                                             "each command's options.")
     parser.add_argument("--version", action="version", version=f"dspark_edge {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
@@ -271,17 +299,26 @@ def _answer(pipe, prompt, cfg, as_json: bool):
     """Stream one answer to stdout (or print it as JSON); returns the result, or None when it
     failed mid-way (the error and the partial output are printed)."""
     stream = pipe.stream(prompt, cfg)
+    shown = ""
     try:
         for piece in stream:
             if not as_json:
                 print(piece, end="", flush=True)
+                shown += piece
     except GenerationError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         if as_json and exc.partial is not None:
             print(json.dumps(_result_json(exc.partial)))
         return None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated): what was decided is not lost
         stream.close()  # ends the generation now; the pipeline stays usable
+        text = pipe.tokenizer.decode(stream.token_ids)
+        reason = "terminated" if isinstance(exc, Terminated) else "interrupted"
+        if as_json:
+            print(json.dumps({"text": text, "token_ids": list(stream.token_ids), "stop_reason": reason,
+                              "error": None, "stats": None}), flush=True)
+        else:
+            print(text[len(shown):] if text.startswith(shown) else "", flush=True)
         raise
     r = stream.result
     if as_json:
@@ -301,6 +338,7 @@ def _result_json(r) -> dict:
 
 
 def cmd_generate(args) -> int:
+    check_outputs(args)
     pipe = _load(args, drafter=args.drafter)
     if args.raw:
         prompt = args.prompt
@@ -312,11 +350,12 @@ def cmd_generate(args) -> int:
     try:
         return 0 if _answer(pipe, prompt, cfg, args.json) is not None else 1
     finally:
-        outputs.close()
         pipe.close()
+        outputs.close()
 
 
 def cmd_chat(args) -> int:
+    check_outputs(args)
     pipe = _load(args, drafter=args.drafter)
     cfg = _generation_config(args)
     outputs = _Outputs(pipe, args)
@@ -326,6 +365,8 @@ def cmd_chat(args) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"[chat with {pipe.manifest.model.name}; empty line or Ctrl-D quits, /reset, /stats]", file=sys.stderr)
+    if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused, not fatal to the chat
+        sys.stdin.reconfigure(errors="surrogateescape")
     status = 0
     try:
         while True:
@@ -335,6 +376,11 @@ def cmd_chat(args) -> int:
                 break
             if not line:
                 break
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError:
+                print("[that line is not UTF-8 text: ignored; type it again]", file=sys.stderr)
+                continue
             if line == "/reset":
                 history = []
                 print("[history cleared]", file=sys.stderr)
@@ -343,6 +389,13 @@ def cmd_chat(args) -> int:
                 print(json.dumps(last.stats.as_dict() if last else {}, indent=1), file=sys.stderr)
                 continue
             history.append({"role": "user", "content": line})
+            try:
+                history = _fit_history(pipe, system, history, cfg)
+            except PromptError as exc:
+                print(f"[{exc}]", file=sys.stderr)
+                history.pop()
+                status = 1
+                continue
             r = _answer(pipe, system + history, cfg, args.json)
             if r is None:  # the failed turn is dropped; the pipeline stays usable
                 history.pop()
@@ -351,14 +404,46 @@ def cmd_chat(args) -> int:
             last = r
             history.append({"role": "assistant", "content": r.text})
     finally:
-        outputs.close()
         pipe.close()
+        outputs.close()
     return status
+
+
+def _fit_history(pipe, system: list[dict], history: list[dict], cfg) -> list[dict]:
+    """The most recent turns that fit the context with room for an answer (the oldest
+    user/assistant pairs dropped, said on stderr); a last message too long alone is a
+    PromptError."""
+    capacity = pipe.target.capacity
+    room = max(1, min(cfg.max_new_tokens, capacity // 4))
+    dropped = 0
+    while True:
+        n = len(pipe.encode_prompt(system + history, cfg.special_in_content))
+        if n + room <= capacity:
+            break
+        if len(history) <= 1:
+            raise PromptError(f"that message is {n} tokens; with room for an answer the context holds "
+                              f"{capacity - room}: send a shorter one (or load with a larger --max-context)")
+        history = history[2:]  # the oldest user turn and the answer to it
+        dropped += 1
+    if dropped:
+        print(f"[dropped the {dropped} oldest exchange{'s' if dropped > 1 else ''} to fit the context of "
+              f"{capacity} tokens]", file=sys.stderr)
+    return history
 
 
 def cmd_bench(args) -> int:
     from .bench import bench_generation, load_prompts, verify_cost_curve
 
+    for option, value, least in (("--limit", args.limit, 1), ("--repeats", args.repeats, 1),
+                                 ("--depth", args.depth, 1), ("--max-new-tokens", args.max_new_tokens, 1)):
+        if value is not None and value < least:
+            raise ConfigError(f"{option} must be at least {least}, got {value}")
+    try:
+        asked_ks = [int(k) for k in args.draft_tokens.split(",")] if args.draft_tokens else None
+    except ValueError:
+        raise ConfigError(f"--draft-tokens {args.draft_tokens!r}: expected comma-separated integers, e.g. 3,5") from None
+    if asked_ks is not None and (not asked_ks or min(asked_ks) < 1 or len(set(asked_ks)) != len(asked_ks)):
+        raise ConfigError(f"--draft-tokens {args.draft_tokens!r}: give distinct draft lengths of at least 1")
     prompts = load_prompts(args.prompts)[:args.limit]
     specs = [s.strip() for s in args.drafter.split(",") if s.strip()] if args.drafter else []
     if args.drafter and not specs:
@@ -379,6 +464,17 @@ def cmd_bench(args) -> int:
     from .pipeline import has_own_model
 
     pipe = _load(args, drafter=specs[0] if specs else None, shared_threads=any(map(has_own_model, specs)))
+    widths = pipe.target.widths
+    if args.depth + max(widths) > pipe.target.capacity:
+        raise ConfigError(f"--depth {args.depth}: with the widest verify width {max(widths)} it exceeds the context "
+                          f"of {pipe.target.capacity} tokens; give --depth at most {pipe.target.capacity - max(widths)} "
+                          "or a larger --max-context")
+    listed = [w - 1 for w in widths if w > 1]
+    if asked_ks is not None and set(asked_ks) - set(listed):
+        raise ConfigError(f"--draft-tokens {args.draft_tokens}: this engine verifies {listed} drafts per round "
+                          f"(its widths {list(widths)} minus the anchor); "
+                          f"{sorted(set(asked_ks) - set(listed))} {'is' if len(set(asked_ks) - set(listed)) == 1 else 'are'} "
+                          "not among them")
     bar = _Progress("bench", len(prompts) * args.passes)
 
     def progress(done, total, row):
@@ -398,8 +494,7 @@ def cmd_bench(args) -> int:
                  if s == "auto" else s for s in specs]
         if len(set(specs)) != len(specs):
             raise ConfigError(f"--drafter lists a drafter twice once 'auto' is resolved: {', '.join(specs)}")
-        ks = [int(k) for k in args.draft_tokens.split(",")] if args.draft_tokens else \
-            [w - 1 for w in pipe.target.widths if w > 1]
+        ks = asked_ks or listed
         drafters = [(specs[0] if len(specs) > 1 else pipe.drafter.name, pipe.drafter)]  # the first: loaded with the target
         drafters += [(spec, create(spec, m, options=drafter_backend_options(spec, _backend_options(args)),
                                    verify_hashes=not args.no_verify_hashes, engine_dir=args.engine))
@@ -422,6 +517,12 @@ def cmd_bench(args) -> int:
     print("[bench] verify cost curve", file=sys.stderr, flush=True)
     report["verify_cost"] = verify_cost_curve(pipe.target, depth=args.depth, repeats=args.repeats)
     print(json.dumps(report, indent=2))
+    failed = {name: v["drafter_failures"] for name, v in report.get("comparison", {}).get("variants", {}).items()
+              if v.get("drafter_failures")}
+    if failed:
+        print(f"error: the drafter failed during the benchmark ({'; '.join(f'{n}: {f}' for n, f in failed.items())}); "
+              "its numbers do not measure it: see the warnings above", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -473,14 +574,13 @@ class _Progress:
 
 def _ngram_table_summary(engine, manifest) -> dict | None:
     """The engine folder's corpus n-gram table as inspect reports it (None when it has none)."""
-    from pathlib import Path
-
     from .drafters.ngram_table import FILE_NAME, NgramTable
+    from .manifest import engine_path
 
-    path = Path(engine) / FILE_NAME
-    if not path.is_file():
-        return None
     try:
+        path = engine_path(engine, FILE_NAME)
+        if not path.is_file():
+            return None
         t = NgramTable.load_for(path, manifest)
     except DSparkError as exc:
         return {"file": FILE_NAME, "error": str(exc)}
@@ -585,6 +685,9 @@ def cmd_plot(args) -> int:
     from .metrics import read_trace, summarize
     from .plots import plot_timeline
 
+    from .paths import output_file
+
+    output_file(args.output, "plot")
     records = read_trace(args.trace)
     gens = sorted({r["generation"] for r in records if r["type"] == "round"})
     if not gens:
@@ -615,6 +718,10 @@ def cmd_profile(args) -> int:
         raise ConfigError(f"--contexts {args.contexts!r}: expected comma-separated integers, e.g. 64,512") from None
     if not contexts or min(contexts) < 1 or args.repeats < 1:
         raise ConfigError("--contexts needs positive depths and --repeats must be at least 1")
+    if args.output_dir:
+        from .paths import output_dir
+
+        output_dir(args.output_dir, "profile folder")  # before measuring, not after
     prof = measure_profile(args.engine, contexts=contexts, reps=args.repeats,
                            progress=lambda m: print(f"[profile] {m}", file=sys.stderr, flush=True))
     path = save_profile(prof, Path(args.output_dir) if args.output_dir else None)
@@ -625,14 +732,33 @@ def cmd_profile(args) -> int:
     return 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is (``on_sigterm``): handled like Ctrl-C, exit 143."""
+
+
+def on_sigterm() -> None:
+    """Turn SIGTERM into ``Terminated`` in the main thread, so a command ends as after Ctrl-C
+    (partial output printed, files closed) instead of dying mid-write."""
+    import signal
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def run_reporting_errors(fn, *args) -> int:
     """``fn(*args)``'s exit code; a project error is one line on stderr and exit 2 (bad input),
-    Ctrl-C exit 130. Shared by this CLI and the scripts in bench/."""
+    Ctrl-C exit 130, SIGTERM (with ``on_sigterm``) 143. Shared by this CLI and the scripts in
+    bench/."""
     try:
         return fn(*args)
     except DSparkError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("[terminated]", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("[interrupted]", file=sys.stderr)
         return 130
@@ -643,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
     args.own_process = argv is None  # run as `python -m dspark_edge ...`: the process is the command's
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.own_process:
+        on_sigterm()
     command = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "inspect": cmd_inspect,
                "profile": cmd_profile, "plot": cmd_plot}[args.command]
     return run_reporting_errors(command, args)

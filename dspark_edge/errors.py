@@ -40,3 +40,9 @@ class GenerationError(DSparkError):
     def __init__(self, message: str, partial: object | None = None) -> None:
         super().__init__(message)
         self.partial = partial
+
+
+class OutputError(ConfigError):
+    """An output file cannot be written: its folder is missing or read-only, the path is a
+    folder, or the disk is full. Raised before the work where it can be known then (an output
+    path is an option: a ConfigError)."""

@@ -44,6 +44,12 @@ class FileEntry:
             raise ValueError(f"sha256 of {self.path!r} must be 64 hex digits")
 
 
+# Far above any language model's shape; a manifest beyond them is damaged or hostile (sizes
+# derived from them would overflow int64 or allocate without bound).
+MODEL_LIMITS = {"num_layers": 4096, "hidden_size": 1 << 18, "num_heads": 4096, "num_kv_heads": 4096,
+                "head_dim": 1 << 14, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 26}
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
@@ -59,10 +65,9 @@ class ModelInfo:
     max_position_embeddings: int
 
     def __post_init__(self) -> None:
-        for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
-                    "max_position_embeddings"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        for key, most in MODEL_LIMITS.items():
+            if not 1 <= getattr(self, key) <= most:
+                raise ValueError(f"{key} must be in [1, {most}], got {getattr(self, key)}")
 
 
 @dataclass(frozen=True)

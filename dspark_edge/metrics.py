@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO
 
 from .errors import ConfigError
+from .paths import output_file, writing
 from .verify import judged
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,10 @@ class TraceWriter:
 
     def __init__(self, path: str | Path | IO[str], *, label: str | None = None) -> None:
         if isinstance(path, (str, Path)):
-            path = Path(path)
-            if path.parent and not path.parent.is_dir():
-                raise ConfigError(f"trace folder {path.parent} does not exist: create it or pick another path")
-            self._file, self._owned, self.path = open(path, "w", encoding="utf-8"), True, path
+            path = output_file(path, "trace")
+            with writing(path, "trace"):
+                self._file = open(path, "w", encoding="utf-8")
+            self._owned, self.path = True, path
         else:
             self._file, self._owned, self.path = path, False, None
         self.label = label
@@ -51,7 +52,7 @@ class TraceWriter:
         self._write({"type": "header", "schema": TRACE_SCHEMA, "label": label})
 
     def _write(self, record: dict) -> None:
-        with self._lock:
+        with self._lock, writing(self.path or "(stream)", "trace"):
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
             self._file.flush()
 
@@ -65,7 +66,10 @@ class TraceWriter:
 
     def close(self) -> None:
         if self._owned and not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # the write that failed has said so; closing must not raise again
+                pass
 
     def __enter__(self) -> "TraceWriter":
         return self
@@ -79,9 +83,11 @@ def read_trace(path: str | Path) -> list[dict]:
     from .strict_json import read_jsonl
 
     records = []
-    for n, rec in read_jsonl(path, ConfigError):
+    for n, rec in read_jsonl(path, ConfigError, cut_tail_ok=True):
         if "type" not in rec:
             raise ConfigError(f"{path}:{n}: not a dspark_edge trace record (no 'type')")
+        if rec["type"] == "round":
+            _check_round(rec, f"{path}:{n}")
         records.append(rec)
     if not records or records[0].get("type") != "header":
         raise ConfigError(f"{path} is not a dspark_edge trace (no header line)")
@@ -89,6 +95,25 @@ def read_trace(path: str | Path) -> list[dict]:
         raise ConfigError(f"{path} has trace schema {records[0]['schema']}; this runtime reads up to {TRACE_SCHEMA}: "
                           "upgrade dspark_edge")
     return records
+
+
+_ROUND_FIELDS = {"round": int, "generation": int, "width": int, "drafted": int, "accepted": int, "tokens": list,
+                 "confidence": list, "draft_ms": (int, float), "verify_ms": (int, float)}
+
+
+def _check_round(rec: dict, where: str) -> None:
+    """A round record has what the summaries and plots read, of the right types."""
+    for key, kind in _ROUND_FIELDS.items():
+        value = rec.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ConfigError(f"{where}: round record field {key!r} is {value!r}; not a trace this runtime wrote")
+    if rec["width"] < 1 or not 0 <= rec["accepted"] <= rec["drafted"] or rec["draft_ms"] < 0 or rec["verify_ms"] < 0:
+        raise ConfigError(f"{where}: round record with impossible counts or times; not a trace this runtime wrote")
+    if not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in rec["confidence"]):
+        raise ConfigError(f"{where}: round record field 'confidence' must hold numbers")
+    for key in ("telemetry", "decision"):
+        if rec.get(key) is not None and not isinstance(rec[key], dict):
+            raise ConfigError(f"{where}: round record field {key!r} must be an object or null")
 
 
 def summarize(rounds: list[dict]) -> dict:
@@ -188,4 +213,6 @@ class PrometheusMetrics:
 
     def write(self, path: str | Path) -> None:
         """Write the text format to ``path`` atomically (node_exporter's textfile collector)."""
-        self._pc.write_to_textfile(str(path), self.registry)
+        path = output_file(path, "Prometheus metrics file")
+        with writing(path, "Prometheus metrics file"):
+            self._pc.write_to_textfile(str(path), self.registry)

@@ -42,6 +42,9 @@ def series(rounds: list[dict], window: int = WINDOW) -> dict[str, list[float | N
 
 def plot_timeline(rounds: list[dict], path: str | Path, title: str = "dspark_edge timeline") -> list[str]:
     """Write the timeline PNG; returns the names of the series drawn (those with any value)."""
+    from .paths import output_file, writing
+
+    path = output_file(path, "plot")  # before the figure is drawn
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -49,9 +52,6 @@ def plot_timeline(rounds: list[dict], path: str | Path, title: str = "dspark_edg
         raise ConfigError("plots need matplotlib: pip install matplotlib (or the project's demo extra)") from None
     if not rounds:
         raise ConfigError("nothing to plot: the generation ran no decoding round (max_new_tokens too small?)")
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise ConfigError(f"plot folder {path.parent} does not exist: create it or pick another path")
     s = series(rounds)
     x = s["round"]
     fig = Figure(figsize=(10, 9), constrained_layout=True)
@@ -93,7 +93,8 @@ def plot_timeline(rounds: list[dict], path: str | Path, title: str = "dspark_edg
     for ax in list(axes) + [mem_ax]:
         if ax.get_lines():
             ax.legend(loc="upper left" if ax is not mem_ax else "upper right", fontsize=8)
-    fig.savefig(path, dpi=90, metadata={"Description": json.dumps({"series": drawn, "rounds": len(rounds)})})
+    with writing(path, "plot"):
+        fig.savefig(path, dpi=90, metadata={"Description": json.dumps({"series": drawn, "rounds": len(rounds)})})
     return drawn
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -29,6 +30,7 @@ from .strict_json import from_json_dict, to_json_dict
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+MAX_PROFILE_BYTES = 4 << 20
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
 
@@ -165,8 +167,16 @@ def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512
     from .manifest import read_manifest
     from .telemetry import SystemReader
 
+    from .backends import BackendOptions
+
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
+    capacity = min(BackendOptions().max_context, manifest.model.max_position_embeddings)
+    widest = max(v.width for v in manifest.variants_for("target"))
+    too_deep = [d for d in contexts if d + widest > capacity]
+    if too_deep:  # before anything is measured
+        raise ConfigError(f"context depths {too_deep} leave no room for the widest verify pass ({widest} tokens) in "
+                          f"the {capacity}-token context; give --contexts at most {capacity - widest}")
     reader = SystemReader()
     temps, others, throttled = [], [], False
 
@@ -269,9 +279,14 @@ def cost_curve(model, engine_dir: str | Path) -> tuple[dict[int, float], str]:
     device's profile, or measured now (about a second) where there is none or it is stale;
     and the profile's status (``load_profile``)."""
     prof, status = load_profile(engine_dir)
+    curve = None
     if prof is not None and status in ("ok", "throttled"):
-        curve = prof.verify_ms(model.precision)
-    else:
+        try:
+            curve = _usable(prof.verify_ms(model.precision))
+        except ConfigError as exc:
+            log.warning("device profile not used: %s; measuring the pass cost now", exc)
+            status = "unusable"
+    if curve is None:
         log.info("device profile %s: measuring the %s pass cost now (run `python -m dspark_edge profile "
                  "--engine %s` to keep one)", status, model.precision, engine_dir)
         curve = quick_verify_ms(model)
@@ -283,32 +298,72 @@ def profiles_dir() -> Path:
     return Path(env) if env else DEFAULT_DIR
 
 
+def _usable(curve: dict[int, float]) -> dict[int, float]:
+    """A profile's curve, refused when a cost is not a positive finite number of ms."""
+    bad = {w: ms for w, ms in curve.items() if not (math.isfinite(ms) and ms > 0)}
+    if bad:
+        raise ConfigError(f"the profile has impossible pass costs {bad}")
+    return curve
+
+
 def save_profile(profile: DeviceProfile, folder: Path | None = None) -> Path:
-    folder = folder or profiles_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    from .paths import output_dir, writing
+
+    folder = output_dir(folder or profiles_dir(), "profile folder")
     path = folder / f"{profile.device_key}.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(to_json_dict(profile), indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    with writing(path, "profile"):
+        tmp.write_text(json.dumps(to_json_dict(profile), indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
     return path
 
 
 def read_profile(path: Path) -> DeviceProfile:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not a readable profile ({exc}); re-run `python -m dspark_edge profile`") from exc
+        with open(path, "rb") as f:
+            raw = f.read(MAX_PROFILE_BYTES + 1)
+        if len(raw) > MAX_PROFILE_BYTES:
+            raise ValueError(f"larger than {MAX_PROFILE_BYTES} bytes")
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # JSON and UTF-8 errors are ValueErrors
+        raise ConfigError(f"{path}: not a readable profile ({type(exc).__name__}: {str(exc)[:160]}); re-run "
+                          "`python -m dspark_edge profile`") from None
     return from_json_dict(DeviceProfile, data, str(path), error=ConfigError)
+
+
+_SAID_MISSING: set[tuple[str, str]] = set()
+
+
+def _say_missing(folder: Path, key: str) -> None:
+    """Warn once per folder and device when the folder holds profiles, none of them this
+    device's: the key includes the CPU model and its instruction sets, so a profile measured on
+    an AVX2 machine does not apply on an AVX-512 one of the same family."""
+    others = sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
+    if not others or (str(folder), key) in _SAID_MISSING:
+        return
+    _SAID_MISSING.add((str(folder), key))
+    log.warning("no device profile for this device (%s) in %s, which has %s (other CPUs or instruction sets); "
+                "the pass cost is measured at load instead (about a second). Run `python -m dspark_edge "
+                "profile --engine ENGINE` to keep one for this device", key, folder, ", ".join(others))
 
 
 def load_profile(engine_dir: str | Path, folder: Path | None = None) -> tuple[DeviceProfile | None, str]:
     """This device's profile for ``engine_dir`` and a status: "ok", "missing", "stale" (the engine
     changed since), or "throttled" (measured while the device was throttling)."""
     key, _ = device_identity()
-    path = (folder or profiles_dir()) / f"{key}.json"
+    folder = folder or profiles_dir()
+    path = folder / f"{key}.json"
     if not path.is_file():
+        _say_missing(folder, key)
         return None, "missing"
-    profile = read_profile(path)
+    if folder.resolve() not in path.resolve().parents:
+        log.warning("device profile ignored: %s links outside %s", path, folder)
+        return None, "corrupt"
+    try:
+        profile = read_profile(path)
+    except ConfigError as exc:  # a corrupt profile must not block loading: the cost is measured instead
+        log.warning("device profile ignored: %s", exc)
+        return None, "corrupt"
     if profile.engine_sha256 != manifest_sha(Path(engine_dir)):
         return profile, "stale"
     return profile, "throttled" if profile.throttled else "ok"

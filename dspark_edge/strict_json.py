@@ -18,22 +18,37 @@ from .errors import ManifestError
 T = TypeVar("T")
 
 
-def read_jsonl(path, error: type[Exception]) -> list[tuple[int, dict]]:
+def read_jsonl(path, error: type[Exception], cut_tail_ok: bool = False) -> list[tuple[int, dict]]:
     """(line number, object) for every non-blank line of a JSON-lines file; a line that is not
-    a JSON object raises ``error`` naming the file and the line."""
+    a JSON object raises ``error`` naming the file and the line. ``cut_tail_ok``: a last line
+    without its newline that does not parse (what a writer killed mid-line leaves) is dropped
+    with a warning instead."""
     import json
+    import logging
     from pathlib import Path
 
     if not Path(path).is_file():
         raise error(f"{path} does not exist or is not a file")
+    try:
+        text = Path(path).read_bytes().decode("utf-8", errors="strict")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    lines = text.splitlines()
     out = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise error(f"{path}:{n}: not valid JSON ({exc.msg}); was the file cut short?") from None
+        except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+            if cut_tail_ok and n == len(lines) and not text.endswith("\n"):
+                logging.getLogger(__name__).warning("%s:%d: the last line is cut short (the writer stopped "
+                                                    "mid-line); reading the lines before it", path, n)
+                break
+            msg = exc.msg if isinstance(exc, json.JSONDecodeError) else type(exc).__name__
+            raise error(f"{path}:{n}: not valid JSON ({msg}); was the file cut short?") from None
         if not isinstance(rec, dict):
             raise error(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
         out.append((n, rec))

@@ -3,7 +3,10 @@
 ``staging(output)`` yields a fresh ``.<name>.partial-<pid>`` folder next to ``output``; on
 success ``publish`` swaps it in (an existing folder is moved aside first and removed after),
 on any failure the staging folder is removed. A process killed mid-export leaves only a
-hidden partial folder, which the next export in that parent folder removes.
+hidden partial folder, which the next export in that parent folder removes. Scratch space
+(``scratch(output)``: intermediate graphs, builder logs) lives beside the output the same way,
+as ``.<name>.scratch-<pid>``, never in the system's temp folder, so a killed export's
+scratch is reaped by the next export too.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_partials(output: Path) -> None:
-    """Remove ``.<name>.partial-<pid>`` / ``.old-<pid>`` folders left by dead exports."""
-    for kind in ("partial", "old"):
+    """Remove ``.<name>.partial-<pid>`` / ``.old-<pid>`` / ``.scratch-<pid>`` folders left by dead exports."""
+    for kind in ("partial", "old", "scratch"):
         for path in output.parent.glob(f".{output.name}.{kind}-*"):
             try:
                 pid = int(path.name.rsplit("-", 1)[1])
@@ -62,6 +65,20 @@ def staging(output: Path) -> Iterator[Path]:
         raise ExportError(f"the export failed ({exc}); nothing was written and {output} is unchanged") from exc
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def scratch(output: Path) -> Iterator[Path]:
+    """A scratch folder beside ``output`` for the export's intermediate files, removed when the
+    export ends (and by the next export if this process is killed)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    path = output.parent / f".{output.name}.scratch-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def publish(stage: Path, output: Path) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 from dspark_edge.drafters.ngram_table import FILE_NAME, FORMAT, NgramTable, context_key
 from dspark_edge.errors import ExportError
 from dspark_edge.manifest import read_manifest
+from dspark_edge.paths import output_file
 
 from .atomic import export_command, replacing_file
 
@@ -181,6 +182,9 @@ def build_table(target: Path, work: Path | None, prompts: int | None = None, max
     if (work is None) == (answers is None):
         raise ExportError("count either a work folder (--work) or an answers file (--answers)")
     manifest = read_manifest(target)
+    out = Path(output or target / FILE_NAME)
+    if out.is_dir() or out.parent.is_dir():  # before the counting: a folder that is missing is created
+        output_file(out, "--output")
     steps = 3 if calibrate else 2
     if answers is not None:
         from .answers import load_answers
@@ -205,7 +209,6 @@ def build_table(target: Path, work: Path | None, prompts: int | None = None, max
             "answers": n_answers, "answer_tokens": tokens, "work": str(work if answers is None else answers),
             "calibration": calibration,
             "command": export_command()}
-    out = output or target / FILE_NAME
     with replacing_file(out) as tmp:
         np.savez_compressed(tmp, meta=np.asarray(json.dumps(meta, sort_keys=True)), **arrays)
     progress(f"[{steps}/{steps}] wrote {out}: {sum(entries.values())} contexts ({', '.join(f'{n}: {e}' for n, e in entries.items())}), "

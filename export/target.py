@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -27,6 +26,7 @@ from dspark_edge.manifest import (GraphIO, Manifest, ModelInfo, SCHEMA_VERSION, 
                                   write_manifest)
 
 from .atomic import publish, staging
+from .atomic import scratch as scratch_dir
 from .portable import PORTABLE_IO, PORTABLE_PRECISIONS
 from .sources import Source, load_source, resolve_source, source_digest
 
@@ -278,8 +278,7 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
     steps = 4 + graph_steps + (1 if options.validate else 0)
     n = iter(range(1, steps + 1))
     t_start = time.perf_counter()
-    with staging(options.output) as stage, tempfile.TemporaryDirectory(prefix="dspark-export-") as scratch:
-        scratch = Path(scratch)
+    with staging(options.output) as stage, scratch_dir(options.output) as scratch:
         say(f"[{next(n)}/{steps}] loading {source.description} as an FP32 PyTorch model")
         model, hf_tok = load_source(source)
         extra_info: dict[str, str] = {}

@@ -57,7 +57,7 @@ def tiny_torch(tiny_hf):
 
 @pytest.fixture(scope="session")
 def default_engine(tmp_path_factory) -> Path:
-    """The embedded default exported once (FP32, default widths)."""
+    """The embedded default exported once (FP32 and INT8 for self-drafting, default widths)."""
     from export import ExportOptions, export_target
     from export.sources import default_gguf_path, source_digest, resolve_source
 
@@ -69,9 +69,10 @@ def default_engine(tmp_path_factory) -> Path:
     if (out / "manifest.json").is_file():
         from dspark_edge.manifest import read_manifest
 
-        if read_manifest(out).model.source_sha256 == source_digest(resolve_source("default")):
+        m = read_manifest(out)
+        if m.model.source_sha256 == source_digest(resolve_source("default")) and "int8" in m.precisions("target"):
             return out
-    export_target(ExportOptions(source="default", output=out, precisions=("fp32",), overwrite=True))
+    export_target(ExportOptions(source="default", output=out, precisions=("fp32", "int8"), overwrite=True))
     return out
 
 

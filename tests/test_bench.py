@@ -96,6 +96,7 @@ class _Stats:
         self.tokens_per_s, self.decode_s, self.new_tokens, self.rounds = 50.0, 0.1, 6, rounds
         self.draft_n = self.draft_n_accepted = 0
         self.accept_length_hist, self.widths = {}, {"1": rounds}
+        self.drafter_disabled = None
 
 
 class _Result:

@@ -365,3 +365,80 @@ def test_a_telemetry_reader_that_fails_or_blocks_never_stops_a_load(tiny_engine,
         assert time.monotonic() - t0 < 15
         assert pipe.generate("The quick brown", max_new_tokens=8).token_ids == ref.token_ids
         reader.release.set()
+
+
+# -- device profiles: a corrupt one never blocks a load; one for another device is named -----------
+def test_a_corrupt_device_profile_falls_back_to_measuring(tiny_engine, tmp_path, monkeypatch, caplog):
+    from dspark_edge.profile import device_identity
+
+    monkeypatch.setenv("DSPARK_PROFILES", str(tmp_path))
+    key = device_identity()[0]
+    for bad in (b"{not json", b"\xff\xfe", b"[" * 50000, json.dumps({"device_key": key}).encode()):
+        (tmp_path / f"{key}.json").write_bytes(bad)
+        with caplog.at_level("WARNING"), dspark_edge.load(tiny_engine, "fp32", drafter="ngram") as pipe:
+            assert pipe.profile_status == "corrupt"
+            assert pipe.generate("The quick brown", max_new_tokens=4).stop_reason != "error"
+        assert "device profile ignored" in caplog.text
+        caplog.clear()
+
+
+def test_a_profile_folder_without_this_device_says_so_once(tiny_engine, tmp_path, monkeypatch, caplog):
+    from dspark_edge import profile
+
+    monkeypatch.setenv("DSPARK_PROFILES", str(tmp_path))
+    (tmp_path / "x86-64-some-other-cpu-avx2-2c.json").write_text("{}")
+    monkeypatch.setattr(profile, "_SAID_MISSING", set())
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            dspark_edge.load(tiny_engine, "fp32", drafter="ngram").close()
+    said = [r for r in caplog.records if "no device profile for this device" in r.getMessage()]
+    assert len(said) == 1
+    assert profile.device_identity()[0] in said[0].getMessage()
+    assert "x86-64-some-other-cpu-avx2-2c" in said[0].getMessage()
+
+
+# -- exports keep their scratch space beside the output ------------------------------------------
+def test_a_killed_exports_scratch_is_reaped_by_the_next_export(tmp_path):
+    from export.atomic import remove_stale_partials, scratch
+
+    out = tmp_path / "engine"
+    with scratch(out) as s:
+        assert s.parent == tmp_path and s.name.startswith(".engine.scratch-")
+        (s / "big.onnx").write_bytes(b"x" * 100)
+    assert not s.exists()
+    dead = tmp_path / ".engine.scratch-999999999"  # a pid that is not running
+    dead.mkdir()
+    remove_stale_partials(out)
+    assert not dead.exists()
+
+
+@pytest.mark.slow
+def test_self_drafting_never_prices_a_width_the_engine_does_not_list(default_engine, caplog):
+    # The default widths skip 5 and 7: a round of the copy's drafts that agreed with 4 n-gram
+    # guesses verifies at width 4, and its cost must be that width's, not width 5's.
+    from dspark_edge.bench import load_prompts
+
+    with dspark_edge.load(default_engine, "fp32", drafter="ngram+self") as pipe, caplog.at_level("WARNING"):
+        assert 5 not in pipe.target.widths
+        for rec in load_prompts()[:4]:
+            prompt = rec.get("messages") or rec["prompt"]
+            for extra in ({}, {"draft_tokens": 5}):
+                r = pipe.generate(prompt, max_new_tokens=64, ignore_eos=True, **extra)
+                assert r.stats.drafter_disabled is None
+    assert "failed in" not in caplog.text
+
+
+def test_bench_records_drafter_failures_and_keeps_the_callers_drafter(tiny_engine):
+    from dspark_edge.bench import bench_compare
+
+    prompts = [{"id": "a", "category": "x", "prompt": "The quick brown"},
+               {"id": "b", "category": "x", "prompt": "def add(a, b):"}]
+    own = _Drafter(None)
+    with dspark_edge.load(tiny_engine, "fp32", drafter=own, scheduler=False) as pipe:
+        bad = _Drafter(None, raise_in="propose")
+        report = bench_compare(pipe, prompts, [("plain", None, {}), ("good", own, {"draft_tokens": 2}),
+                                               ("bad", bad, {"draft_tokens": 2})], max_new_tokens=8)
+        assert pipe.drafter is own  # restored, not dropped
+    v = report["variants"]
+    assert v["bad"]["drafter_failures"] == 2 and "propose" in v["bad"]["drafter_failure"]
+    assert v["good"]["drafter_failures"] == 0 and v["plain"]["drafter_failures"] == 0

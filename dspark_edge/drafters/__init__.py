@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .base import AcceptanceTracker, Draft, Drafter, DraftRequest
 from .ngram import NgramDrafter
+from ..manifest import engine_path
 from .ngram_table import FILE_NAME as TABLE_FILE
 from .ngram_table import NgramTable
 
@@ -44,7 +45,7 @@ def create(spec, target_manifest, options=None, verify_hashes: bool = True, engi
     if hasattr(spec, "propose"):
         return spec
     if spec in NGRAM_SPECS:
-        table_path = None if engine_dir is None or spec == "ngram:prompt" else Path(engine_dir) / TABLE_FILE
+        table_path = None if engine_dir is None or spec == "ngram:prompt" else engine_path(engine_dir, TABLE_FILE)
         if table_path is None or not table_path.is_file():
             return NgramDrafter()
         table = NgramTable.load_for(table_path, target_manifest)

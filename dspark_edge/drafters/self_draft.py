@@ -354,7 +354,9 @@ class SelfDrafter:
                     d = max(self.step_ms, 1e-3)
                     spent = staged_ms + steps * d
                     more_ms = spent + (goal - len(tokens)) * d
-                    now = (1.0 + expected) / (spent + cost(len(tokens) + 1))
+                    # The round as it stands verifies at the widest listed width its drafts fill.
+                    fit = max(w for w in self._widths if w <= len(tokens) + 1)
+                    now = (1.0 + float(np.cumprod(conf[:fit - 1]).sum())) / (spent + cost(fit))
                     more = guessed(goal - len(tokens))
                     more = (1.0 + expected + more) / (more_ms + cost(goal + 1))
                     why = "further drafts not expected to pay"
