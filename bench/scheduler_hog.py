@@ -20,7 +20,7 @@ import numpy as np
 import dspark_edge
 from dspark_edge.bench import load_prompts
 from dspark_edge.config import GenerationConfig
-from dspark_edge.pipeline import has_own_model
+from dspark_edge.drafters.spec import own_model
 
 
 def _spin(seconds: float) -> None:
@@ -87,7 +87,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     args = ap.parse_args()
     # As the command line does: a drafter with a graph of its own shares the target's thread pool.
-    options = dspark_edge.BackendOptions(shared_threads=has_own_model(args.drafter))
+    options = dspark_edge.BackendOptions(shared_threads=own_model(args.drafter))
     pipe = dspark_edge.load(args.engine, args.precision, drafter=args.drafter, options=options)
     prompts = load_prompts()[:args.limit]
     pipe.generate(prompts[0]["messages"], max_new_tokens=16)

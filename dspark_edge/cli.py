@@ -16,6 +16,7 @@ from dataclasses import replace
 from . import __version__
 from .backends import BackendOptions
 from .config import GenerationConfig
+from .drafters import spec as drafter_spec
 from .errors import ConfigError, DSparkError, GenerationError, PromptError
 
 
@@ -87,10 +88,11 @@ def _backend_options(args) -> BackendOptions:
 
 
 def _load(args, drafter=None, shared_threads: bool = False):
-    from .pipeline import has_own_model, load
+    from .drafters.spec import own_model
+    from .pipeline import load
 
     options = _backend_options(args)
-    if getattr(args, "own_process", False) and (shared_threads or has_own_model(drafter)):
+    if getattr(args, "own_process", False) and (shared_threads or own_model(drafter)):
         # The target and a drafter with a graph of its own take turns on one thread pool. Only
         # when this is the process's command line: the pool is process-wide for good, and
         # onnxruntime then refuses sessions with pools of their own (code that calls ``main``
@@ -102,15 +104,8 @@ def _load(args, drafter=None, shared_threads: bool = False):
 
 def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--drafter", default=None,
-                   help="speculative decoding with 'auto' (the engine's DSpark drafter if it has one, else "
-                        "'ngram+self' for a target above INT8 on the CPU, else 'ngram'), "
-                        "'dspark', 'dspark:int8', 'ngram' (prompt lookup, plus the "
-                        "engine's corpus n-gram table when it has one), 'ngram:online' (the table, confidences "
-                        "estimated online), 'ngram:prompt' (prompt lookup alone), 'self' / 'self:<precision>' "
-                        "(the engine's INT8 (or that precision's) graph drafts over the target's KV cache), "
-                        "'ngram+self' (n-gram drafts where they promise more, the copy's otherwise, which checks "
-                        "the n-gram drafts in its first pass and which n-gram drafts continue) or a "
-                        "draft-model engine folder (default: plain decoding)")
+                   help=f"speculative decoding with a drafter ({drafter_spec.describe()}; default: plain "
+                        "decoding)")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="verify exactly this many drafts every round (default: the scheduler chooses)")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="answer length limit (default: %(default)s)")
@@ -244,12 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--depth", type=int, default=128, help="cached positions for the verify cost curve")
     b.add_argument("--repeats", type=int, default=15, help="timed repeats per width for the verify curve")
     b.add_argument("--drafter", default=None,
-                   help="compare plain decoding with this drafter ('auto': the one generate's 'auto' picks; "
-                        "'dspark', 'dspark:int8', 'ngram', "
-                        "'ngram:online', 'ngram:prompt', 'self[:<precision>]', 'ngram+self[:<precision>]' or a "
-                        "draft-model engine folder; several, comma-separated, are compared "
-                        "in the same run), interleaved per prompt: verify width chosen per round by the "
-                        "scheduler ('auto') and fixed at every listed draft length")
+                   help=f"compare plain decoding with these drafters, comma-separated ({drafter_spec.grammar()}; "
+                        "'auto' as generate picks it), interleaved per prompt: the verify width chosen per round "
+                        "by the scheduler and fixed at every listed draft length")
     b.add_argument("--draft-tokens", default=None,
                    help="comma-separated draft lengths to compare (default: every listed width - 1)")
     b.add_argument("--passes", type=int, default=1,
@@ -461,9 +453,9 @@ def cmd_bench(args) -> int:
         GenerationConfig(seed=args.seed, **sampling)  # bad values fail here, before the engine loads
     elif (args.top_k, args.top_p, args.sampling) != (0, 1.0, "rejection"):
         raise ConfigError("--top-k, --top-p and --sampling shape sampled decoding: give --temperature > 0 as well")
-    from .pipeline import has_own_model
+    from .drafters.spec import own_model
 
-    pipe = _load(args, drafter=specs[0] if specs else None, shared_threads=any(map(has_own_model, specs)))
+    pipe = _load(args, drafter=specs[0] if specs else None, shared_threads=any(map(own_model, specs)))
     widths = pipe.target.widths
     if args.depth + max(widths) > pipe.target.capacity:
         raise ConfigError(f"--depth {args.depth}: with the widest verify width {max(widths)} it exceeds the context "

@@ -32,7 +32,8 @@ from .config import GenerationConfig, GenerationResult
 from .errors import ConfigError, DSparkError, GenerationError, PromptError
 from .manifest import Manifest, read_manifest, verify_role_files
 from .decoder import DecoderModel
-from .drafters import NGRAM_SPECS, create as create_drafter
+from .drafters import create as create_drafter
+from .drafters.spec import own_model
 from .sampling import choose, coupled_choice
 from .scheduler import CostModel, Scheduler, SchedulerConfig
 from .telemetry import Reader, Sampler, Snapshot
@@ -110,16 +111,10 @@ def drafter_backend_options(drafter, options: BackendOptions | None) -> BackendO
     keeps its own setting (docs/PERFORMANCE.md, "Two thread pools and BLAS"). Better still, with
     ``BackendOptions.shared_threads`` (``python -m dspark_edge`` sets it for such drafters) both run on
     one process-wide pool (docs/PERFORMANCE.md, "Self-drafting")."""
-    if has_own_model(drafter) and not (options is not None and options.shared_threads):
+    if own_model(drafter) and not (options is not None and options.shared_threads):
         log.info("drafter in use: onnxruntime thread spinning disabled for the drafter's session")
         return replace(options or BackendOptions(), allow_spinning=False)
     return options
-
-
-def has_own_model(drafter) -> bool:
-    """Whether a drafter given by name or path runs a graph of its own beside the target
-    ("auto" may: it can stand for the DSpark drafter or self-drafting)."""
-    return isinstance(drafter, (str, Path)) and str(drafter) not in (*NGRAM_SPECS, "none")
 
 
 class _SharedTarget:

@@ -33,8 +33,9 @@ from pathlib import Path
 
 import dspark_edge
 from dspark_edge.metrics import TraceWriter
-from dspark_edge.drafters import is_self_spec
-from dspark_edge.pipeline import has_own_model
+from dspark_edge.drafters import parse_spec
+from dspark_edge.drafters import spec as drafter_spec
+from dspark_edge.drafters.spec import own_model
 from dspark_edge.tokenizer import IncrementalDecoder
 
 DEFAULT_ENGINE = Path(__file__).resolve().parent.parent / "engines" / "smollm2-135m"
@@ -261,11 +262,7 @@ def main() -> int:
                          "apart, and with a self drafter, whose INT8 copy drafts for a more precise target)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question (default: %(default)r)")
     ap.add_argument("--drafter", default=None,
-                    help="'auto' (default: the engine's DSpark drafter when it has one, else 'ngram+self' for "
-                         "an FP32 target on the CPU, as in --race, else 'ngram'), 'dspark', 'ngram' (prompt "
-                         "lookup and the engine's n-gram table), 'ngram:prompt' (prompt lookup alone), 'self' / "
-                         "'ngram+self' (the engine's INT8 graph drafts for an FP32 target), 'none' for plain "
-                         "decoding, or a draft-model engine folder")
+                    help=f"'auto' (default) or another drafter: {drafter_spec.describe()}")
     ap.add_argument("--chat", action="store_true", help="interactive chat (empty line or Ctrl-D quits)")
     ap.add_argument("--race", action="store_true",
                     help="decode plainly and speculatively side by side and report the speedup")
@@ -305,14 +302,14 @@ def main() -> int:
         providers = tuple(p for p in args.providers.split(",") if p)
         drafter = args.drafter or "auto"
         # Self-drafting needs a target more precise than its INT8 copy.
-        fast = "int8" if "int8" in available and not args.race and not is_self_spec(drafter) else None
+        fast = "int8" if "int8" in available and not args.race and not (isinstance(drafter, str) and parse_spec(drafter).self_drafting) else None
         precision = args.precision or fast
         if args.race and drafter == "none":
             raise dspark_edge.ConfigError("--race compares plain and speculative decoding: give a drafter, "
                                           "not --drafter none")
         # A drafter with a graph of its own shares the target's thread pool (BackendOptions.shared_threads).
         options = dspark_edge.BackendOptions(providers=providers,
-                                             shared_threads=has_own_model(drafter))
+                                             shared_threads=own_model(drafter))
         pipe = dspark_edge.load(args.engine, precision, drafter=None if drafter == "none" else drafter,
                                 backend=args.backend, options=options)
         pipe.start_telemetry()

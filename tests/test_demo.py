@@ -120,7 +120,7 @@ def test_live_panel_in_a_terminal(tiny_engine, tiny_draft_self, tmp_path):
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_live_panel_on_the_embedded_default(default_engine, tmp_path):
     plot = tmp_path / "timeline.png"
-    screen = _tmux_capture(f"{sys.executable} {DEMO} --engine {default_engine} --max-new-tokens 48 "
+    screen = _tmux_capture(f"{sys.executable} {DEMO} --engine {default_engine} --precision fp32 --max-new-tokens 48 "
                            f"--plot {plot}", tmp_path)
     for field in PANEL_FIELDS + ("SmolLM2-135M-Instruct",):
         assert field in screen, (field, screen)

@@ -442,3 +442,32 @@ def test_bench_records_drafter_failures_and_keeps_the_callers_drafter(tiny_engin
     v = report["variants"]
     assert v["bad"]["drafter_failures"] == 2 and "propose" in v["bad"]["drafter_failure"]
     assert v["good"]["drafter_failures"] == 0 and v["plain"]["drafter_failures"] == 0
+
+
+def test_option_types_are_strict_and_numpy_integers_welcome(plain_tiny):
+    import numpy as np
+
+    from dspark_edge.backends import BackendOptions
+    from dspark_edge.config import GenerationConfig
+    from dspark_edge.errors import ConfigError
+    from dspark_edge.scheduler import SchedulerConfig
+
+    cfg = GenerationConfig(max_new_tokens=np.int64(5), temperature=np.float32(0.5), seed=np.int32(3),
+                           stop_token_ids=(np.int64(2),), ignore_eos=np.bool_(True))
+    assert type(cfg.max_new_tokens) is int and type(cfg.seed) is int and cfg.stop_token_ids == (2,)
+    assert cfg.ignore_eos is True and type(cfg.temperature) is float
+    for bad in ({"ignore_eos": "no"}, {"speculative": 1}, {"max_new_tokens": 5.0}, {"temperature": float("nan")},
+                {"sampling": "fast"}, {"special_in_content": "yes"}, {"draft_tokens": True}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            GenerationConfig(**bad)
+    for bad in ({"max_record": -1}, {"hot_c": float("inf")}, {"probe_every": 2.5}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            SchedulerConfig(**bad)
+    for bad in ({"max_context": 8}, {"intra_op_threads": 10**6}, {"allow_spinning": "false"}):
+        with pytest.raises(ConfigError, match=next(iter(bad)).split("_")[0]):
+            BackendOptions(**bad)
+    with pytest.raises(ConfigError, match="unknown generation option colour"):
+        plain_tiny.generate("hi", colour="red")
+    with pytest.raises(ConfigError, match="ignore_eos must be true or false"):
+        plain_tiny.generate("hi", ignore_eos="no")
+    assert plain_tiny.generate("hi", max_new_tokens=np.int64(3)).stats.new_tokens <= 3
