@@ -34,10 +34,10 @@ def main() -> int:
     args = ap.parse_args()
 
     from dspark_edge.errors import ConfigError
-    from export.drafter.build import load_drafter
-    from export.drafter.data import answer_shards, count_sequences, load_shards
-    from export.drafter.train import held_out_rounds, recorded_split
-    from export.sources import load_source, resolve_source
+    from dspark_export.drafter.build import load_drafter
+    from dspark_export.drafter.data import answer_shards, count_sequences, load_shards
+    from dspark_export.drafter.train import held_out_rounds, recorded_split
+    from dspark_export.sources import load_source, resolve_source
 
     shards = answer_shards(args.work, args.prompts)
     for w in args.weights:

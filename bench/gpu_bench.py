@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action="append", default=None,
                     help="NAME=BACKEND:PRECISION[:PROVIDERS][@ENGINE] (repeatable; default: %s)"
                     % ", ".join(DEFAULT_CONFIGS))
-    ap.add_argument("--prompts", type=Path, default=None, help="prompt file (default: bench/prompts.jsonl)")
+    ap.add_argument("--prompts", type=Path, default=None, help="prompt file (default: dspark_edge/data/prompts.jsonl)")
     ap.add_argument("--limit", type=int, default=6, help="prompts to use (default: %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer (default: %(default)s)")
     ap.add_argument("--draft-tokens", type=int, default=None,

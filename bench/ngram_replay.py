@@ -190,7 +190,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", type=Path, default=Path("engines/smollm2-135m"), help="target engine folder (FP32)")
     ap.add_argument("--table", type=Path, required=True, help="n-gram table file")
-    ap.add_argument("--prompts", default=None, help="JSON-lines prompts (default: bench/prompts.jsonl)")
+    ap.add_argument("--prompts", default=None, help="JSON-lines prompts (default: dspark_edge/data/prompts.jsonl)")
     ap.add_argument("--answers", type=Path, default=None,
                     help="recorded answers: read when the file exists, else recorded there")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="answer length when recording (default: 128)")

@@ -1,5 +1,5 @@
 """Scheduler overhead per decoding step: decision + telemetry read + cost update, with the
-background sampler running (the number in README / docs/PERFORMANCE.md).
+background sampler running (the number in README / docs/notes/2026-11-30-to-12-02-measurements.md).
 
     python bench/scheduler_overhead.py
 """

@@ -119,7 +119,7 @@ def main() -> int:
     ap.add_argument("--drafter", default="dspark")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=Path, default=None,
-                    help="JSON-lines prompt file to record on (default: the project's bench/prompts.jsonl)")
+                    help="JSON-lines prompt file to record on (default: the project's dspark_edge/data/prompts.jsonl)")
     ap.add_argument("--fixed", default="1,2,3,5,7", help="fixed draft lengths to replay")
     ap.add_argument("--probe-every", default="16", help="scheduler variants: probe cadences to replay")
     ap.add_argument("--online-calibration", default=None,

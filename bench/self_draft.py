@@ -45,12 +45,12 @@ def step_ms(model, repeats: int = 60) -> float:
 def agreement(args) -> dict:
     from dspark_edge.decoder import DecoderModel
     from dspark_edge.manifest import read_manifest
-    from export.drafter.calibrate import auroc
+    from dspark_export.drafter.calibrate import auroc
 
     from ngram_replay import record_answers  # bench/ is on the path when run as a script
 
     if args.answers and args.answers.endswith(".npz"):  # a packed answers file (python -m export answers)
-        from export.answers import load_answers
+        from dspark_export.answers import load_answers
 
         packed = load_answers(Path(args.answers), read_manifest(args.engine))
         n = packed.prompt_lens.shape[0]
@@ -64,7 +64,7 @@ def agreement(args) -> dict:
     elif args.answers:
         answers = json.loads(Path(args.answers).read_text())
     else:
-        prompts = [json.loads(line) for line in (ROOT / "bench" / "prompts.jsonl").read_text().splitlines() if line]
+        prompts = [json.loads(line) for line in (ROOT / "dspark_edge" / "data" / "prompts.jsonl").read_text().splitlines() if line]
         answers = record_answers(Path(args.engine), prompts, args.max_new_tokens)
     m = read_manifest(args.engine)
     copy = DecoderModel(m, args.engine, args.copy)

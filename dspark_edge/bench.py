@@ -20,7 +20,7 @@ from .profile import verify_curve_ms
 from .pipeline import Pipeline
 from .decoder import DecoderModel
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts.jsonl"  # package data
 
 
 def load_prompts(path: str | Path | None = None) -> list[dict]:

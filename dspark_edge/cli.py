@@ -203,7 +203,10 @@ class _Outputs:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m dspark_edge",
+    from pathlib import Path
+
+    prog = "dspark-edge" if Path(sys.argv[0]).name == "dspark-edge" else "python -m dspark_edge"
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="On-device speculative decoding runtime (DSpark).",
                                      epilog="Exit codes: 0 success, 1 a generation failed mid-way (the partial "
                                             "output is printed) or a drafter failed during bench, 2 bad input "
@@ -233,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmark generation over a prompt set and the verify cost curve (JSON)")
     _engine_args(b)
-    b.add_argument("--prompts", default=None, help="JSON-lines prompt file (default: the project's bench/prompts.jsonl)")
+    b.add_argument("--prompts", default=None, help="JSON-lines prompt file (default: the project's benchmark prompts, "
+                        "dspark_edge/data/prompts.jsonl)")
     b.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt (default: %(default)s)")
     b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     b.add_argument("--depth", type=int, default=128, help="cached positions for the verify cost curve")
@@ -264,11 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("profile", help="measure this device's cost of every variant of an engine",
                         description="Time the target at every verify width and the drafter at every block size "
                                     "(warm-up, median of repeats, at several context depths) and write "
-                                    "profiles/<device-key>.json, which the scheduler loads automatically.")
+                                    "<device-key>.json to the user's profile folder (or --output-dir / "
+                                    "DSPARK_PROFILES), which the scheduler loads automatically.")
     pr.add_argument("--engine", required=True, help="engine folder to profile")
     pr.add_argument("--contexts", default="64,512", help="context depths (default: %(default)s)")
     pr.add_argument("--repeats", type=int, default=9, help="timed repeats per variant (default: %(default)s)")
-    pr.add_argument("--output-dir", default=None, help="where to write (default: DSPARK_PROFILES or profiles/)")
+    pr.add_argument("--output-dir", default=None, help="where to write (default: DSPARK_PROFILES, else the user's profile folder, "
+                        "~/.local/share/dspark_edge/profiles)")
     pr.add_argument("--json", action="store_true", help="print the profile as JSON")
 
     i = sub.add_parser("inspect", help="print an engine folder's manifest, variants, files and hashes, profile "

@@ -4,8 +4,12 @@
 width at a few context depths, and for every drafter precision one drafting round per block
 size (warm-up, then the median of repeats), recording the device identity, the engine's
 manifest hash, library versions and the temperature / frequency / load seen during the run.
-Profiles live in ``profiles/<device-key>.json``; ``load_profile`` finds this device's, and says
-when it is stale (engine changed) or was measured while throttled.
+Profiles are ``<device-key>.json`` files. ``load_profile`` looks for this device's in
+``DSPARK_PROFILES`` when it is set, else in the user's profile folder (``profiles_dir()``:
+``$XDG_DATA_HOME/dspark_edge/profiles``, by default ``~/.local/share/dspark_edge/profiles``), then
+among the profiles shipped with the package (``SHIPPED_DIR``); it says when the one found is
+stale (engine changed) or was measured while throttled. ``save_profile`` writes to
+``DSPARK_PROFILES`` or the user's folder.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 MAX_PROFILE_BYTES = 4 << 20
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "profiles"
+SHIPPED_DIR = Path(__file__).resolve().parent / "profiles"  # package data: profiles of known devices
 
 
 @dataclass(frozen=True)
@@ -294,8 +298,18 @@ def cost_curve(model, engine_dir: str | Path) -> tuple[dict[int, float], str]:
 
 
 def profiles_dir() -> Path:
+    """Where profiles are written: ``DSPARK_PROFILES``, else the user's profile folder."""
     env = os.environ.get("DSPARK_PROFILES")
-    return Path(env) if env else DEFAULT_DIR
+    if env:
+        return Path(env)
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "dspark_edge" / "profiles"
+
+
+def profile_dirs() -> list[Path]:
+    """Where profiles are looked for, in order: ``DSPARK_PROFILES`` alone when set, else the
+    user's folder, then the shipped profiles."""
+    return [profiles_dir()] if os.environ.get("DSPARK_PROFILES") else [profiles_dir(), SHIPPED_DIR]
 
 
 def _usable(curve: dict[int, float]) -> dict[int, float]:
@@ -334,28 +348,31 @@ def read_profile(path: Path) -> DeviceProfile:
 _SAID_MISSING: set[tuple[str, str]] = set()
 
 
-def _say_missing(folder: Path, key: str) -> None:
-    """Warn once per folder and device when the folder holds profiles, none of them this
-    device's: the key includes the CPU model and its instruction sets, so a profile measured on
-    an AVX2 machine does not apply on an AVX-512 one of the same family."""
-    others = sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
-    if not others or (str(folder), key) in _SAID_MISSING:
+def _say_missing(folders: list[Path], key: str) -> None:
+    """Warn once per folders and device when they hold profiles, none of them this device's:
+    the key includes the CPU model and its instruction sets, so a profile measured on an AVX2
+    machine does not apply on an AVX-512 one of the same family."""
+    others = sorted({p.stem for f in folders if f.is_dir() for p in f.glob("*.json")})
+    where = ", ".join(map(str, folders))
+    if not others or (where, key) in _SAID_MISSING:
         return
-    _SAID_MISSING.add((str(folder), key))
-    log.warning("no device profile for this device (%s) in %s, which has %s (other CPUs or instruction sets); "
+    _SAID_MISSING.add((where, key))
+    log.warning("no device profile for this device (%s) in %s, which hold %s (other CPUs or instruction sets); "
                 "the pass cost is measured at load instead (about a second). Run `python -m dspark_edge "
-                "profile --engine ENGINE` to keep one for this device", key, folder, ", ".join(others))
+                "profile --engine ENGINE` to keep one for this device", key, where, ", ".join(others))
 
 
 def load_profile(engine_dir: str | Path, folder: Path | None = None) -> tuple[DeviceProfile | None, str]:
     """This device's profile for ``engine_dir`` and a status: "ok", "missing", "stale" (the engine
     changed since), or "throttled" (measured while the device was throttling)."""
     key, _ = device_identity()
-    folder = folder or profiles_dir()
-    path = folder / f"{key}.json"
-    if not path.is_file():
-        _say_missing(folder, key)
+    folders = [folder] if folder is not None else profile_dirs()
+    found = [f for f in folders if (f / f"{key}.json").is_file()]
+    if not found:
+        _say_missing(folders, key)
         return None, "missing"
+    folder = found[0]
+    path = folder / f"{key}.json"
     if folder.resolve() not in path.resolve().parents:
         log.warning("device profile ignored: %s links outside %s", path, folder)
         return None, "corrupt"

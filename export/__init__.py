@@ -1,9 +1,3 @@
-"""dspark_edge's exporter: turns a source model into an engine folder (``python -m export``).
-
-Needs the ``export`` extra (PyTorch, transformers, gguf, onnxruntime-genai's graph builder).
-The runtime never imports this package.
-"""
-
-from .target import ExportOptions, export_target
-
-__all__ = ["ExportOptions", "export_target"]
+"""The checkout's ``python -m export``: the exporter is the installed package ``dspark_export``
+(console script ``dspark-export``). This folder is not installed; it only keeps the design's
+command working from the project's root."""

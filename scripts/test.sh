@@ -6,5 +6,5 @@ cd "$root"
 bash scripts/env.sh
 venv=${DSPARK_VENV:-$root/.venv}
 # Static check first (undefined names, unused imports, syntax errors): cheap and loud.
-"$venv/bin/ruff" check --select F,E9 dspark_edge export tests examples bench
+"$venv/bin/ruff" check --select F,E9 dspark_edge dspark_export export tests examples bench
 exec "$venv/bin/python" -m pytest "$@"

@@ -29,7 +29,7 @@ def tiny_hf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_engine(tmp_path_factory, tiny_hf) -> Path:
-    from export import ExportOptions, export_target
+    from dspark_export import ExportOptions, export_target
 
     out = tmp_path_factory.mktemp("tiny-engine") / "engine"
     export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32", "int8"),
@@ -58,8 +58,8 @@ def tiny_torch(tiny_hf):
 @pytest.fixture(scope="session")
 def default_engine(tmp_path_factory) -> Path:
     """The embedded default exported once (FP32 and INT8 for self-drafting, default widths)."""
-    from export import ExportOptions, export_target
-    from export.sources import default_gguf_path, source_digest, resolve_source
+    from dspark_export import ExportOptions, export_target
+    from dspark_export.sources import default_gguf_path, source_digest, resolve_source
 
     try:
         default_gguf_path()
@@ -77,7 +77,7 @@ def default_engine(tmp_path_factory) -> Path:
 
 
 def _export_draft(tmp_path_factory, tiny_hf, tiny_engine, name, keep_layers):
-    from export import ExportOptions, export_target
+    from dspark_export import ExportOptions, export_target
 
     out = tmp_path_factory.mktemp(name) / "engine"
     export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32",), widths=(1,),
@@ -100,7 +100,7 @@ def tiny_draft_poor(tmp_path_factory, tiny_hf, tiny_engine) -> Path:
 @pytest.fixture(scope="session")
 def tiny_portable(tmp_path_factory, tiny_hf) -> Path:
     """The tiny model as a portable graph (standard operators, append KV layout): FP32, FP16, INT8 QDQ."""
-    from export import ExportOptions, export_target
+    from dspark_export import ExportOptions, export_target
 
     out = tmp_path_factory.mktemp("tiny-portable") / "engine"
     export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32", "fp16", "int8"),

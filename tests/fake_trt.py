@@ -249,7 +249,7 @@ def write_fake_engines(folder: Path, precisions=("fp16", "int8"), max_context: i
                        gpu=("Fake GPU", "8.7")) -> None:
     """Add "built" engines (JSON plans the fake runtime reads) to a portable engine folder."""
     from dspark_edge.manifest import read_manifest, write_manifest
-    from export.trt import manifest_with_engines, plan_engines
+    from dspark_export.trt import manifest_with_engines, plan_engines
 
     m = read_manifest(folder)
     plans = plan_engines(m, precisions, max_context=max_context, folder="trt-fake")

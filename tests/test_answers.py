@@ -11,7 +11,7 @@ import pytest
 from dspark_edge.drafters import NgramTable
 from dspark_edge.errors import ExportError
 from dspark_edge.manifest import read_manifest
-from export.answers import KINDS, load_answers, pack_answers
+from dspark_export.answers import KINDS, load_answers, pack_answers
 
 
 def _shard(folder, sequences, index=0):
@@ -75,7 +75,7 @@ def test_answers_of_another_model_or_cap_are_refused(engine_copy, tmp_path):
 
 
 def test_ngram_table_from_answers_equals_the_table_from_the_work_folder(engine_copy, tmp_path, capsys):
-    from export.__main__ import main
+    from dspark_export.__main__ import main
 
     work = _work(tmp_path)
     answers = tmp_path / "a.npz"
@@ -94,7 +94,7 @@ def test_ngram_table_from_answers_equals_the_table_from_the_work_folder(engine_c
 
 
 def test_train_drafter_shards_reuse_recorded_answers(tmp_path, monkeypatch):
-    from export.drafter import data
+    from dspark_export.drafter import data
 
     generated: list[list[int]] = []
 
@@ -119,7 +119,7 @@ def test_train_drafter_shards_reuse_recorded_answers(tmp_path, monkeypatch):
 
 
 def test_train_drafter_checks_the_answers_file_before_touching_anything(tiny_engine, tmp_path, capsys):
-    from export.__main__ import main
+    from dspark_export.__main__ import main
 
     work = tmp_path / "work"
     assert main(["train-drafter", "--target", str(tiny_engine), "--output", str(tmp_path / "out"), "--work", str(work),

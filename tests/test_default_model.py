@@ -31,7 +31,7 @@ def reference():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from export.sources import default_gguf_path
+    from dspark_export.sources import default_gguf_path
 
     path = default_gguf_path()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -13,10 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dspark_edge.drafters.dspark import sequential_step  # noqa: E402
-from export.drafter import calibrate  # noqa: E402
-from export.drafter.data import Sequences  # noqa: E402
-from export.drafter.model import DraftConfig, DSparkDraft  # noqa: E402
-from export.drafter.train import forward_batch, make_batch  # noqa: E402
+from dspark_export.drafter import calibrate  # noqa: E402
+from dspark_export.drafter.data import Sequences  # noqa: E402
+from dspark_export.drafter.model import DraftConfig, DSparkDraft  # noqa: E402
+from dspark_export.drafter.train import forward_batch, make_batch  # noqa: E402
 
 V, H = 120, 32
 CFG = DraftConfig(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, num_layers=2,
@@ -157,7 +157,7 @@ def test_auroc_and_ece_reference_values():
 
 def test_onnx_round_matches_pytorch_at_long_context(tmp_path):
     ort = pytest.importorskip("onnxruntime")
-    from export.drafter.onnx_export import export_onnx, reference_round
+    from dspark_export.drafter.onnx_export import export_onnx, reference_round
 
     model = _model()
     path = tmp_path / "d.onnx"
@@ -190,8 +190,8 @@ def test_onnx_round_matches_pytorch_at_long_context(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_with_drafter(tmp_path_factory, tiny_hf, tiny_engine):
-    from export.drafter.build import TrainDrafterOptions, train_drafter
-    from export.drafter.install import install_drafter
+    from dspark_export.drafter.build import TrainDrafterOptions, train_drafter
+    from dspark_export.drafter.install import install_drafter
 
     root = tmp_path_factory.mktemp("dspark")
     engine = root / "engine"
@@ -234,7 +234,7 @@ def test_train_and_install_write_a_complete_drafter(tiny_with_drafter):
 
 
 def test_resume_after_finish_does_not_retrain(tiny_with_drafter, tiny_hf):
-    from export.drafter.build import TrainDrafterOptions, train_drafter
+    from dspark_export.drafter.build import TrainDrafterOptions, train_drafter
 
     engine, weights, _ = tiny_with_drafter
     msgs = []
@@ -346,7 +346,7 @@ def test_scheduler_unloads_the_drafter_under_memory_pressure(tiny_with_drafter):
 
 def test_drafter_refuses_a_foreign_target(tiny_with_drafter, tiny_hf, tmp_path):
     from dspark_edge.errors import ExportError
-    from export.drafter.install import install_drafter
+    from dspark_export.drafter.install import install_drafter
 
     engine, weights, _ = tiny_with_drafter
     other = tmp_path / "w"
@@ -363,9 +363,9 @@ def test_drafter_refuses_a_foreign_target(tiny_with_drafter, tiny_hf, tmp_path):
 def test_training_prompts_are_disjoint_from_the_benchmark():
     from pathlib import Path
 
-    from export.drafter.prompts import training_prompts
+    from dspark_export.drafter.prompts import training_prompts
 
-    bench = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
+    bench = Path(__file__).resolve().parent.parent / "dspark_edge" / "data" / "prompts.jsonl"
     bench_texts = {m["content"] for line in bench.read_text().splitlines() if line.strip()
                    for m in json.loads(line)["messages"]}
     train_texts = {m["content"] for r in training_prompts() for m in r["messages"]}
@@ -421,7 +421,7 @@ def test_cli_generates_with_the_dspark_drafter_and_scheduler_knobs(tiny_with_dra
 
 def test_held_out_split_is_stable_when_data_grows():
     """More prompts later (an extended data step) must not move held-out sequences into training."""
-    from export.drafter.train import split
+    from dspark_export.drafter.train import split
 
     def fake(n):
         return Sequences(np.zeros(n, np.int32), np.arange(n + 1, dtype=np.int64), np.zeros(n, np.int32),
@@ -436,7 +436,7 @@ def test_held_out_split_is_stable_when_data_grows():
 
 
 def test_text_ids_always_train_and_get_their_share():
-    from export.drafter.train import sampling_weights, split
+    from dspark_export.drafter.train import sampling_weights, split
 
     n = 900
     data = Sequences(np.zeros(n, np.int32), np.arange(n + 1, dtype=np.int64), np.zeros(n, np.int32),
@@ -459,7 +459,7 @@ def _fake_site(root, bodies):
 
 
 def test_package_documents_read_readmes_and_modules_in_a_fixed_interleaved_order(tmp_path):
-    from export.drafter.text import MIN_CHARS, fingerprint, package_documents, prompt_for
+    from dspark_export.drafter.text import MIN_CHARS, fingerprint, package_documents, prompt_for
 
     long = "word " * MIN_CHARS
     site = _fake_site(tmp_path / "site", {"alpha": long, "beta": "too short", "dspark_edge": long, "gamma": long})
@@ -478,7 +478,7 @@ def test_package_documents_read_readmes_and_modules_in_a_fixed_interleaved_order
 
 
 def test_text_windows_cap_each_document_and_stop_at_the_budget():
-    from export.drafter.text import Document, text_sequences
+    from dspark_export.drafter.text import Document, text_sequences
 
     class Tok:
         def encode(self, text):
@@ -497,7 +497,7 @@ def test_text_windows_cap_each_document_and_stop_at_the_budget():
 def test_recorded_held_out_set_is_kept_when_data_grows(tmp_path):
     """A run's held-out answers are recorded; an extended run keeps them (whatever rule chose
     them) and holds out new answers by the stable draw; text never is held out."""
-    from export.drafter.train import recorded_split, split
+    from dspark_export.drafter.train import recorded_split, split
 
     def fake(n):
         return Sequences(np.zeros(n, np.int32), np.arange(n + 1, dtype=np.int64), np.zeros(n, np.int32),
@@ -530,7 +530,7 @@ def test_drafter_info_checks_its_calibration():
 
 def test_text_shards_made_from_other_windows_are_refused(tmp_path):
     from dspark_edge.errors import ExportError
-    from export.drafter.text import build_text_shards
+    from dspark_export.drafter.text import build_text_shards
 
     assert build_text_shards(None, [], tmp_path) == []  # records the (empty) window set
     with pytest.raises(ExportError, match="delete"):
@@ -539,8 +539,8 @@ def test_text_shards_made_from_other_windows_are_refused(tmp_path):
 
 
 def test_copy_prompts_carry_their_text_and_skip_what_is_not_prose():
-    from export.drafter.prompts import code_snippets, copy_prompts, prose_paragraphs
-    from export.drafter.text import Document
+    from dspark_export.drafter.prompts import code_snippets, copy_prompts, prose_paragraphs
+    from dspark_export.drafter.text import Document
 
     para = ("The river runs through the valley and feeds the farms on both of its banks, which is why the "
             "villages grew along it. Every spring the water rises, and the farmers plant their fields only "
@@ -566,10 +566,10 @@ def test_copy_prompts_carry_their_text_and_skip_what_is_not_prose():
 def test_copy_prompts_from_this_machine_are_disjoint_from_the_benchmark():
     from pathlib import Path
 
-    from export.drafter.prompts import copy_prompts
-    from export.drafter.text import package_documents
+    from dspark_export.drafter.prompts import copy_prompts
+    from dspark_export.drafter.text import package_documents
 
-    bench = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
+    bench = Path(__file__).resolve().parent.parent / "dspark_edge" / "data" / "prompts.jsonl"
     bench_texts = {m["content"] for line in bench.read_text().splitlines() if line.strip()
                    for m in json.loads(line)["messages"]}
     prompts = copy_prompts(package_documents(), 64)
@@ -579,7 +579,7 @@ def test_copy_prompts_from_this_machine_are_disjoint_from_the_benchmark():
 
 def test_shards_from_other_inputs_are_refused(tmp_path):
     from dspark_edge.errors import ExportError
-    from export.drafter.data import check_digest
+    from dspark_export.drafter.data import check_digest
 
     check_digest(tmp_path, "inputs.sha256", "abc", "delete it")
     check_digest(tmp_path, "inputs.sha256", "abc", "delete it")  # the same inputs: fine
@@ -591,7 +591,7 @@ def test_growing_the_prompt_count_completes_a_short_last_shard(tmp_path, monkeyp
     """A run with --prompts 5 writes a last shard of 1 answer (4 a shard); asked for 7 later, that
     shard is rewritten with 3 answers, so no prompt between the two counts is skipped, and the
     full shard before it is kept."""
-    from export.drafter import data
+    from dspark_export.drafter import data
 
     written: list[tuple[str, int]] = []
 

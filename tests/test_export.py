@@ -14,8 +14,8 @@ import pytest
 
 import dspark_edge
 from dspark_edge.errors import ExportError
-from export import ExportOptions, export_target
-from export.target import default_hidden_layers
+from dspark_export import ExportOptions, export_target
+from dspark_export.target import default_hidden_layers
 
 REPO = Path(__file__).resolve().parent.parent
 

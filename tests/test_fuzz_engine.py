@@ -36,7 +36,7 @@ sys.addaudithook(_audit)  # audit hooks cannot be removed; it records only while
 @pytest.fixture(scope="module")
 def table_bytes(tiny_engine, tmp_path_factory):
     """A real n-gram table for the tiny engine, to be damaged."""
-    from export.ngram_table import build_table
+    from dspark_export.ngram_table import build_table
 
     import numpy as np
 

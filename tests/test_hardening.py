@@ -176,7 +176,7 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     import torch
 
     from dspark_edge.errors import ExportError
-    from export.drafter.train import load_checkpoint
+    from dspark_export.drafter.train import load_checkpoint
 
     marker = tmp_path / "pwned"
 
@@ -399,7 +399,7 @@ def test_a_profile_folder_without_this_device_says_so_once(tiny_engine, tmp_path
 
 # -- exports keep their scratch space beside the output ------------------------------------------
 def test_a_killed_exports_scratch_is_reaped_by_the_next_export(tmp_path):
-    from export.atomic import remove_stale_partials, scratch
+    from dspark_export.atomic import remove_stale_partials, scratch
 
     out = tmp_path / "engine"
     with scratch(out) as s:

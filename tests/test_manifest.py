@@ -99,7 +99,7 @@ def test_kv_names_need_the_layer_placeholder():
     import dataclasses
 
     from dspark_edge.manifest import GraphIO
-    from export.portable import PORTABLE_IO
+    from dspark_export.portable import PORTABLE_IO
 
     assert PORTABLE_IO.kv_names(2)[1] == (PORTABLE_IO.past_value.format(layer=0),
                                           PORTABLE_IO.present_value.format(layer=0))

@@ -13,7 +13,7 @@ from dspark_edge import ConfigError
 from dspark_edge.drafters import DraftRequest, NgramDrafter, NgramTable
 from dspark_edge.drafters.ngram_table import FILE_NAME, context_key
 from dspark_edge.errors import EngineError
-from export.ngram_table import count_continuations, table_arrays
+from dspark_export.ngram_table import count_continuations, table_arrays
 
 
 def req(ctx, k=4):
@@ -125,7 +125,7 @@ def _fake_work(tmp_path, sequences):
 
 
 def test_export_builds_installs_and_the_pipeline_stays_exact(engine_copy, tmp_path, capsys):
-    from export.__main__ import main
+    from dspark_export.__main__ import main
 
     plain = dspark_edge.load(engine_copy)
     prompts = ["The quick brown fox", "Once upon a time", "1 2 3 4"]
@@ -163,7 +163,7 @@ def test_export_builds_installs_and_the_pipeline_stays_exact(engine_copy, tmp_pa
 
 
 def test_table_for_another_tokenizer_is_refused(engine_copy, tmp_path, capsys):
-    from export.__main__ import main
+    from dspark_export.__main__ import main
 
     work = _fake_work(tmp_path, [([1, 2], [3, 4, 5])])
     table_file = tmp_path / "t.npz"
@@ -202,7 +202,7 @@ def test_damaged_tables_are_named(tmp_path):
 
 
 def test_cli_errors_name_the_fix(engine_copy, tmp_path, capsys):
-    from export.__main__ import main
+    from dspark_export.__main__ import main
 
     assert main(["ngram-table", "--target", str(engine_copy), "--work", str(tmp_path / "nothing")]) == 2
     assert "train-drafter" in capsys.readouterr().err
@@ -245,7 +245,7 @@ def test_replay_bench_counts_rounds_like_the_pipeline():
 
 
 def test_build_counts_the_first_answers_and_the_copy_tasks(engine_copy, tmp_path):
-    from export.ngram_table import build_table
+    from dspark_export.ngram_table import build_table
 
     work = _fake_work(tmp_path, [([1], [2, 3]), ([1], [4, 5]), ([1], [6, 7])])
     copy = _fake_work(tmp_path / "c", [([9], [8, 8, 8])])
@@ -311,7 +311,7 @@ def test_on_track_reads_the_previous_proposal_past_the_accepted_drafts():
 
 
 def test_fit_logistic_recovers_known_weights():
-    from export.ngram_table import fit_logistic
+    from dspark_export.ngram_table import fit_logistic
 
     rng = np.random.default_rng(0)
     x = np.c_[np.ones(20_000), rng.normal(size=(20_000, 2))]
@@ -337,7 +337,7 @@ def _grammar_answers(n: int, seed: int = 0):
 
 def test_built_table_carries_a_calibration_the_drafter_uses(engine_copy, tmp_path, caplog):
     from dspark_edge.drafters.ngram import FEATURES
-    from export.ngram_table import build_table
+    from dspark_export.ngram_table import build_table
 
     work = _fake_work(tmp_path, _grammar_answers(64))
     said: list[str] = []
@@ -376,7 +376,7 @@ def test_built_table_carries_a_calibration_the_drafter_uses(engine_copy, tmp_pat
 def test_calibrated_table_keeps_greedy_exact_with_the_scheduler(engine_copy, tmp_path, capsys):
     """Calibrated confidences go through the scheduler's online offset (observed_confidence is
     False); widths change, output does not."""
-    from export.__main__ import main
+    from dspark_export.__main__ import main
 
     plain = dspark_edge.load(engine_copy)
     prompts = [f"Item {i}: the quick brown fox" for i in range(8)]

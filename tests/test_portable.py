@@ -95,7 +95,7 @@ def test_append_layout_arithmetic():
 
 
 def test_portable_precision_rules(tmp_path, tiny_hf):
-    from export import ExportOptions
+    from dspark_export import ExportOptions
 
     with pytest.raises(ExportError, match="fp16 needs --graph portable"):
         ExportOptions(source=str(tiny_hf), output=tmp_path / "x", precisions=("fp16",))
@@ -107,7 +107,7 @@ def test_portable_precision_rules(tmp_path, tiny_hf):
 
 def test_portable_draft_model_drafts_for_a_portable_target(tiny_portable, tiny_hf, tmp_path):
     """A draft model as a portable graph (no hidden-state output), FP16: exact speculation."""
-    from export import ExportOptions, export_target
+    from dspark_export import ExportOptions, export_target
 
     out = tmp_path / "draft"
     m = export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32", "fp16"), widths=(1,),

@@ -99,8 +99,8 @@ def test_adversarial_repetition_with_the_ngram_drafter(tiny_engine, plain):
 
 
 def test_disk_full_during_export_keeps_the_previous_engine(tiny_hf, tmp_path, monkeypatch):
-    from export import ExportOptions, export_target
-    import export.tokenizer
+    from dspark_export import ExportOptions, export_target
+    import dspark_export.tokenizer
 
     out = tmp_path / "engine"
     export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32",), widths=(1, 2),
@@ -110,7 +110,7 @@ def test_disk_full_during_export_keeps_the_previous_engine(tiny_hf, tmp_path, mo
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(export.tokenizer, "write_tokenizer", full)
+    monkeypatch.setattr(dspark_export.tokenizer, "write_tokenizer", full)
     with pytest.raises(ExportError, match="no space left on the device") as info:
         export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32",), widths=(1, 2),
                                     validate=False, overwrite=True))
@@ -120,7 +120,7 @@ def test_disk_full_during_export_keeps_the_previous_engine(tiny_hf, tmp_path, mo
     assert [p.name for p in tmp_path.iterdir()] == ["engine"]  # no partial folder left behind
     monkeypatch.undo()
     with pytest.raises(ExportError, match="no space left"):  # a fresh folder: nothing appears
-        monkeypatch.setattr(export.tokenizer, "write_tokenizer", full)
+        monkeypatch.setattr(dspark_export.tokenizer, "write_tokenizer", full)
         export_target(ExportOptions(source=str(tiny_hf), output=tmp_path / "new", precisions=("fp32",),
                                     widths=(1, 2), validate=False))
     assert not (tmp_path / "new").exists()

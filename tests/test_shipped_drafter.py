@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def engine(default_engine):
     from dspark_edge.manifest import read_manifest, sha256_file
-    from export.drafter.install import install_drafter
+    from dspark_export.drafter.install import install_drafter
 
     m = read_manifest(default_engine)
     sha = sha256_file(WEIGHTS / "weights.npz")

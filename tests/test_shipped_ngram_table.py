@@ -23,7 +23,7 @@ TABLE = REPO / "drafters" / "smollm2-135m-ngram.npz"
 def engine(default_engine, tmp_path_factory):
     """The default engine's files linked into a folder of its own, with the table installed
     there (the shared default engine stays without one)."""
-    from export.__main__ import main
+    from dspark_export.__main__ import main
 
     out = tmp_path_factory.mktemp("default-with-table") / "engine"
     out.mkdir()
@@ -52,7 +52,7 @@ def test_shipped_table_is_small_and_documented(default_engine):
 
 
 def test_table_drafts_keep_greedy_exact_and_are_accepted_more(engine):
-    prompts = [json.loads(line) for line in (REPO / "bench" / "prompts.jsonl").read_text().splitlines()]
+    prompts = [json.loads(line) for line in (REPO / "dspark_edge" / "data" / "prompts.jsonl").read_text().splitlines()]
     picked = [p["messages"] for p in prompts if p["id"] in ("chat-1", "story-1", "code-1")]
     plain = dspark_edge.load(engine, "fp32")
     with_table = dspark_edge.load(engine, "fp32", drafter="ngram", scheduler=False)
@@ -75,8 +75,8 @@ ANSWERS = REPO / "drafters" / "smollm2-135m-answers.npz"
 
 
 def test_shipped_table_is_counted_again_from_the_shipped_answers(default_engine, tmp_path):
-    from export.answers import load_answers
-    from export.ngram_table import build_table
+    from dspark_export.answers import load_answers
+    from dspark_export.ngram_table import build_table
 
     m = dspark_edge.read_manifest(default_engine)
     answers = load_answers(ANSWERS, m, max_new_tokens=192)

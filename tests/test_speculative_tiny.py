@@ -154,7 +154,7 @@ def _table_drafter(pipe, prompt: str) -> NgramDrafter:
     """An n-gram drafter with a corpus table counted from a few sampled continuations of
     ``prompt``: it drafts at every position, often the likely token and often not."""
     from dspark_edge.drafters import NgramTable
-    from export.ngram_table import count_continuations, table_arrays
+    from dspark_export.ngram_table import count_continuations, table_arrays
 
     ids = pipe.encode_prompt(prompt)
     seqs = [(ids + list(pipe.generate(prompt, max_new_tokens=6, temperature=1.0, seed=s, ignore_eos=True).token_ids),

@@ -18,7 +18,7 @@ from dspark_edge.backends.trt import check_engine_matches, require_tensorrt
 from dspark_edge.config import GenerationConfig
 from dspark_edge.errors import BackendError, ConfigError, EngineError, ExportError, ManifestError
 from dspark_edge.manifest import Manifest, TensorRTEngine, Variant, read_manifest, write_manifest
-from export.trt import build_engines, manifest_with_engines, plan_engines
+from dspark_export.trt import build_engines, manifest_with_engines, plan_engines
 
 from conftest import TINY_WIDTHS
 
@@ -394,5 +394,5 @@ def test_gpu_scripts_report_bad_input(tiny_portable, tmp_path):
     assert p.returncode == 2 and "prompt file" in p.stderr and "Traceback" not in p.stderr
     p = run("bench/gpu_summary.py", "--out", str(tmp_path / "none"), "--engine", str(tiny_portable), "--seconds", "1")
     assert p.returncode == 2 and "is not a folder" in p.stderr
-    p = run("bench/int8_sensitivity.py", "--engine", str(tmp_path / "none"))
+    p = run("bench/experiments/int8_sensitivity.py", "--engine", str(tmp_path / "none"))
     assert p.returncode == 2 and "does not exist" in p.stderr and "Traceback" not in p.stderr

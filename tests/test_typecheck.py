@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_CODE = ["dspark_edge/backends/trt.py", "dspark_edge/backends/layout.py", "dspark_edge/backends/ort.py",
-            "export/trt.py"]
+            "dspark_export/trt.py"]
 
 
 def _mend(text: str) -> str:

@@ -37,7 +37,7 @@ class BackendOptions:
     # Run on the process-wide ONNX Runtime thread pool (created by the first session that asks,
     # with ``intra_op_threads`` threads) instead of a pool of the session's own; ``allow_spinning``
     # does not apply to it. For a target and a drafter with a graph of its own, which take turns
-    # on the same cores: one set of threads instead of two competing sets (docs/PERFORMANCE.md,
+    # on the same cores: one set of threads instead of two competing sets (docs/notes/2026-11-30-to-12-02-measurements.md,
     # "Self-drafting"); `python -m dspark_edge` sets it for them. Process-wide for good: once one
     # session uses the pool, onnxruntime refuses sessions with pools of their own, so every later
     # session this package opens uses it too, and other code in the process must set

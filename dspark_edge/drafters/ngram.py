@@ -154,7 +154,7 @@ class NgramDrafter:
 
     def _new_table_stats(self) -> dict[tuple[int, int], RateTracker]:
         # Priors: share bin b (0, 1, 2) and context length n; table drafts on text unlike the
-        # table's corpus are accepted less often than their share says (docs/PERFORMANCE.md).
+        # table's corpus are accepted less often than their share says (docs/notes/2026-11-30-to-12-02-measurements.md).
         if self.table is None:
             return {}
         return {(n, b): RateTracker(prior=min(0.75, 0.12 + 0.18 * b + 0.06 * (min(n, 4) - 1)))

@@ -43,7 +43,7 @@ j maximises the expected drafts per millisecond of the copy's pass (each guess s
 the n-gram confidence times the copy's acceptance rate), with the copy's pass cost per width
 from this device's profile (or measured when the drafter is bound) and corrected by the passes
 it times. On a 2-core AVX2 CPU an INT8 pass of width 2 costs 1.16 (64 positions cached) to 1.43
-(256) times one of width 1, so the check gains little there (docs/PERFORMANCE.md); where a wider
+(256) times one of width 1, so the check gains little there (docs/notes/2026-11-30-to-12-02-measurements.md); where a wider
 pass costs about what a narrow one does, a replay puts the gain near 10 %.
 
 The n-gram drafts also continue the copy's (``NgramDrafter.extend``: the lookup run past the

@@ -213,7 +213,7 @@ def calibration_prompts(count: int = 32) -> list[list[dict]]:
     import json
     from importlib.resources import files
 
-    text = (files("export") / "data" / "distill_prompts.jsonl").read_text(encoding="utf-8")
+    text = (files("dspark_export") / "data" / "distill_prompts.jsonl").read_text(encoding="utf-8")
     return [json.loads(line)["messages"] for line in text.splitlines()[:count]]
 
 

@@ -1,6 +1,6 @@
 """The drafter's training prompts: written for this project, composed from task templates and
 topics so that they cover the kinds of requests the runtime serves (code, summaries, questions,
-chat, stories, arithmetic). Disjoint from ``bench/prompts.jsonl`` (a test checks it).
+chat, stories, arithmetic). Disjoint from the benchmark prompts (``dspark_edge/data/prompts.jsonl``) (a test checks it).
 
 The answers the drafter learns from are the target's own (``data.py``), so no outside text
 is needed; the prompts only steer the target into varied territory.

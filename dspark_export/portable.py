@@ -179,7 +179,7 @@ def weight_matmuls(path: Path) -> list[str]:
     and the LM head. Their inputs carry the few huge activation channels small LLMs have, and a
     per-tensor int8 scale for those destroys the rest: on the embedded default, quantizing every
     weight MatMul kept the FP32 argmax at 38% of positions, all but the down-projections 81%,
-    all but those and the LM head 84% (bench/int8_sensitivity.py)."""
+    all but those and the LM head 84% (bench/experiments/int8_sensitivity.py)."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -193,7 +193,7 @@ def quantize_int8(src: Path, dst: Path, sequences: list[list[int]], info: ModelI
     """Explicit INT8 (QDQ) copy of the FP32 portable graph: the weights of ``weight_matmuls``
     per channel and their input activations per tensor, symmetric int8 (what TensorRT's
     explicit quantization expects), calibrated on ``sequences`` (token ids of real prompts).
-    ``nodes`` overrides which MatMuls are quantized (bench/int8_sensitivity.py compares choices)."""
+    ``nodes`` overrides which MatMuls are quantized (bench/experiments/int8_sensitivity.py compares choices)."""
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
                                           quantize_static)
 

@@ -1,7 +1,7 @@
 """Which MatMuls the portable INT8 graph may quantize: static QDQ INT8 with several node
 selections, each compared with the FP32 portable graph on the same texts.
 
-    python bench/int8_sensitivity.py --engine engines/smollm2-135m-portable
+    python bench/experiments/int8_sensitivity.py --engine engines/smollm2-135m-portable
 
 Calibration: the exporter's 32 calibration prompts. Evaluation: three texts (prose, code, a
 worked answer) run as one prefill each; reported per selection: the share of positions whose
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
 TEXTS = [
@@ -41,7 +41,7 @@ def main() -> int:
 
     from dspark_edge.manifest import read_manifest
     from dspark_edge.tokenizer import Tokenizer
-    from export.portable import io_names, quantize_int8, weight_matmuls
+    from dspark_export.portable import io_names, quantize_int8, weight_matmuls
 
     m = read_manifest(args.engine)
     src = args.engine / "target" / "fp32" / "model.onnx"
@@ -53,7 +53,7 @@ def main() -> int:
     evals = [tok.encode(t) for t in TEXTS]
     ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     ref_logits = [ref.run(["logits"], feeds(ids))[0][0] for ids in evals]
-    from export.target import calibration_prompts
+    from dspark_export.target import calibration_prompts
 
     cal = [tok.encode_chat(messages) for messages in calibration_prompts()]
     graph = onnx.load(str(src), load_external_data=False)

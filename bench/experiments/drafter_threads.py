@@ -1,7 +1,7 @@
 """The target's verify pass and the DSpark drafter's round, alone and taking turns, for each
 thread-spinning setting of the two ONNX Runtime sessions (each setting in its own process).
 
-    python bench/drafter_threads.py --engine engines/smollm2-135m
+    python bench/experiments/drafter_threads.py --engine engines/smollm2-135m
 
 Prints the median ms of a width-2 verify after 64 cached positions and of a block-8 drafter
 round, measured alone and alternating (draft, verify, draft, ...), as JSON lines. The runtime's
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
 SETTINGS = [(True, False), (False, False), (True, True)]  # (target spins, drafter spins)

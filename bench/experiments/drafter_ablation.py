@@ -1,7 +1,7 @@
 """Which drafter shape to train: backbone layers, Markov rank and the target layers it reads,
 compared at one fixed training budget on the same data.
 
-    python bench/drafter_ablation.py --work runs/drafter --prompts 920 --steps 200 \
+    python bench/experiments/drafter_ablation.py --work runs/drafter --prompts 920 --steps 200 \
         --configs L2-r128-f8.15.22 L1-r128-f8.15.22 L2-r128-f22 L2-r32-f8.15.22
 
 A config ``L<layers>-r<rank>-f<layer>.<layer>…`` reads a subset of the layers the work folder's
@@ -19,7 +19,7 @@ size is validated on the same recorded held-out answers, and each line also give
 answers it trained on (the gap between the two shows how far the drafter memorises instead of
 generalising).
 
-    python bench/drafter_ablation.py --work runs/drafter --prompts 920 --steps 600 \
+    python bench/experiments/drafter_ablation.py --work runs/drafter --prompts 920 --steps 600 \
         --configs L2-r128-f8.15.22 --train-answers 230,460,920
 """
 
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
 CONFIG = re.compile(r"^L(\d+)-r(\d+)-f(\d+(?:\.\d+)*)$")
@@ -67,10 +67,10 @@ def main() -> int:
 
     from dspark_edge.errors import ConfigError
     from dspark_edge.manifest import read_manifest
-    from export.drafter.build import build_model, draft_config, init_from_target
-    from export.drafter.data import answer_shards, load_shards
-    from export.drafter.train import TrainOptions, recorded_split, train, validate
-    from export.sources import load_source, resolve_source
+    from dspark_export.drafter.build import build_model, draft_config, init_from_target
+    from dspark_export.drafter.data import answer_shards, load_shards
+    from dspark_export.drafter.train import TrainOptions, recorded_split, train, validate
+    from dspark_export.sources import load_source, resolve_source
 
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}")
