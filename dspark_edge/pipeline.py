@@ -33,12 +33,14 @@ from .errors import ConfigError, DSparkError, GenerationError, PromptError
 from .manifest import Manifest, read_manifest, verify_role_files
 from .decoder import DecoderModel
 from .drafters import create as create_drafter
+from .drafters.base import contract
 from .drafters.spec import own_model
 from .sampling import choose, coupled_choice
 from .scheduler import CostModel, Scheduler, SchedulerConfig
 from .telemetry import Reader, Sampler, Snapshot
 from .tokenizer import IncrementalDecoder, Tokenizer
-from .rounds import RoundInfo, Speculator
+from .rounds import RoundInfo, Speculator, Target
+from .widths import FixedLength, Scheduled, SurvivalCut
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +82,10 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
                               engine_dir=engine_dir)
 
     pipe = Pipeline(manifest, engine_dir, target, tokenizer, make_drafter())
-    if hasattr(pipe.drafter, "bind_target"):  # refuse a cache it cannot share now, not mid-generation
-        pipe.drafter.bind_target(target, pipe._cache)
+    if pipe.drafter is not None:
+        bind = contract(pipe.drafter).bind_target  # a drafter lacking a method is refused here
+        if bind is not None:  # and a cache it cannot share now, not mid-generation
+            bind(target, pipe._cache)
     if pipe.drafter is not None and scheduler is not False:
         pipe.enable_scheduler(scheduler if isinstance(scheduler, SchedulerConfig) else SchedulerConfig(),
                               telemetry, make_drafter if isinstance(drafter, (str, Path)) else None)
@@ -474,7 +478,14 @@ class TextStream:
                                   f"which this engine does not list {widths_listed}; pick one of "
                                   f"{[w - 1 for w in widths_listed]}")
             max_drafts = cfg.draft_tokens
-        return Speculator(p, cfg, drafter, sched, max_drafts, rng, coupled_seed)
+        if cfg.draft_tokens is not None:
+            policy = FixedLength(cfg.draft_tokens)
+        elif sched is not None:
+            policy = Scheduled(sched)
+        else:
+            policy = SurvivalCut(cfg.min_survival)
+        target = Target(p.target, p.telemetry, p.manifest.model.vocab_size, p._release_drafter)
+        return Speculator(target, cfg, drafter, policy, max_drafts, rng, coupled_seed)
 
     def _record(self, info: RoundInfo) -> None:
         self.last_round = info

@@ -1,17 +1,17 @@
-"""One decoding round: draft → choose the verify width → one target pass → verify → commit.
+"""One decoding round: propose → choose the width → one target pass → verify → commit → feedback.
 
-``Speculator`` holds what one generation's rounds share (the drafter and its failure budget,
-the scheduler, the random generator, the counts) and runs a round at a time; without a
-drafter a round is a plain width-1 step. It knows nothing of text, stop strings or streaming
-(``pipeline.TextStream`` does), and it never commits more than the target verified: the KV
-cache after a round holds the anchor and the accepted drafts.
+``Speculator.round`` is the whole round, in the papers' order; ``Speculator`` holds what one
+generation's rounds share (the drafter and its failure budget, the width policy, the random
+generator, the counts). Without a drafter a round is a plain width-1 step. It knows nothing of
+text, stop strings or streaming (``pipeline.TextStream`` does), and it never commits more than
+the target verified: the KV cache after a round holds the anchor and the accepted drafts.
 
-Per round, in order: read telemetry; let the scheduler say whether to draft (and unload the
-drafter when memory is low); draft (a failing drafter counts toward ``MAX_DRAFTER_FAILURES``
-and never reaches the target); choose the width (scheduler, survival cut, or the fixed
-length), never padding a width the drafts do not fill; run the target over [anchor, drafts…];
-verify (greedy, coupled or rejection sampling); tell the scheduler the costs and the outcome,
-commit, record, and give the drafter its feedback.
+Its collaborators come in explicitly: the target and the pipeline's telemetry and drafter
+release (``Target``), the width policy (``widths``: fixed length, survival cut or the
+confidence scheduler), and the drafter, read once through its protocol
+(``drafters.base.contract``). A proposal that is malformed, or a drafter method that raises,
+is a drafter failure (``MAX_DRAFTER_FAILURES`` in a row stop speculation for the generation);
+it never reaches the target, and the width never pads drafts the drafter did not give.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ import numpy as np
 
 from .config import GenerationConfig, GenerationStats
 from .drafters import Draft, DraftRequest
-from .scheduler import Decision, Scheduler
+from .drafters.base import contract
+from .scheduler import Decision
 from .telemetry import Snapshot
+from .widths import WidthPolicy
 from .verify import VerifyOutcome, judged, verify_coupled, verify_greedy, verify_sampling
 
 log = logging.getLogger(__name__)
@@ -102,22 +104,34 @@ class RoundStats:
                                draft_s=self.draft_s, verify_s=self.verify_s, **kw)
 
 
-class Speculator:
-    """The rounds of one generation. ``pipe`` is the ``Pipeline`` (its target, telemetry,
-    manifest, and the drafter slot a memory unload empties); ``drafter`` None decodes plainly;
-    ``sched`` None verifies the fixed length (``cfg.draft_tokens``) or the survival cut;
-    ``max_drafts`` caps a round's drafts; ``seed`` is coupled sampling's, None otherwise."""
+@dataclass(frozen=True)
+class Target:
+    """What the rounds use of the pipeline: the target model, the latest telemetry reading,
+    the vocabulary size drafts are checked against, and ``release``, which drops a drafter the
+    pipeline can load again (under a memory squeeze; the pipeline restores it later)."""
 
-    def __init__(self, pipe, cfg: GenerationConfig, drafter, sched: Scheduler | None, max_drafts: int,
+    model: object  # decoder.DecoderModel: step(cache, ids) -> logits, hidden; widths
+    telemetry: Callable[[], Snapshot | None]
+    vocab_size: int
+    release: Callable[[], None]
+
+
+class Speculator:
+    """The rounds of one generation. ``drafter`` None decodes plainly; ``policy`` chooses how
+    many drafts each round verifies (``widths``); ``max_drafts`` caps a round's drafts;
+    ``seed`` is coupled sampling's, None otherwise."""
+
+    def __init__(self, target: Target, cfg: GenerationConfig, drafter, policy: WidthPolicy, max_drafts: int,
                  rng: np.random.Generator, seed: int | None) -> None:
-        self.pipe, self.cfg = pipe, cfg
-        self.drafter, self.sched = drafter, sched
+        self.target, self.cfg = target, cfg
+        self.drafter, self.policy = drafter, policy
         self.max_drafts = max_drafts
         self.rng, self.seed = rng, seed
         self.stats = RoundStats(max_drafts)
         self.disabled: str | None = None  # why speculation stopped mid-generation, when it did
         self.failures = 0  # consecutive drafter failures
-        wants_hidden = drafter is not None and getattr(drafter, "needs_hidden", False)
+        self.contract = None if drafter is None else contract(drafter)  # what the round uses of it
+        wants_hidden = self.contract is not None and self.contract.needs_hidden
         # The target's hidden states since the drafter last read them (a DSpark drafter's input).
         self.hidden_rows: list[np.ndarray] | None = [] if wants_hidden else None
 
@@ -126,57 +140,60 @@ class Speculator:
         if self.drafter is None:
             return
         try:
-            bind = getattr(self.drafter, "bind_target", None)
-            if bind is not None:
-                bind(self.pipe.target, cache)
+            if self.contract.bind_target is not None:
+                self.contract.bind_target(self.target.model, cache)
             self.drafter.begin(committed)
         except Exception as exc:  # a drafter that could not start is not asked to propose
             self._failed("begin", exc, fatal=True)
 
     def round(self, cache, committed: list[int], pending: int, position: int, budget: int, t0: float,
               record: Callable[[RoundInfo], None]) -> RoundInfo:
-        """One round after ``committed`` (extended here by ``pending`` and the accepted drafts).
-        ``position`` is the answer position of ``pending``'s successor; ``budget`` the most
-        drafts the answer can still use; ``record`` receives the round before the drafter's
-        feedback (observers see the drafter's state of the round)."""
-        failures = self.failures
-        snap = self.pipe.telemetry()
-        wants = self.sched is None or self.sched.wants_draft(snap)
-        if self.sched is not None and self.sched.memory_low and self.drafter is not None:
+        """One round after ``committed`` (extended here by ``pending`` and the accepted drafts):
+        propose → choose the width → one target pass → verify → commit → feedback. ``position``
+        is the answer position of ``pending``'s successor; ``budget`` the most drafts the answer
+        can still use; ``record`` receives the round before the drafter's feedback (observers
+        see the drafter's state of the round)."""
+        failures, policy, st = self.failures, self.policy, self.stats
+        snap = self.target.telemetry()
+        wants = policy.wants_draft(snap)
+        if policy.memory_low and self.drafter is not None:
             self._unload(snap)
-        k_max = min(self.max_drafts, budget, cache.free - 1)  # more would be wasted work
-        draft, draft_ms, said, t_d = Draft.empty(), 0.0, None, None
+        # Propose: at most what the widths, the answer and the cache can still use.
+        k_max = min(self.max_drafts, budget, cache.free - 1)
+        draft, draft_ms, t_d = Draft.empty(), None, None
         if self.drafter is not None and k_max > 0 and wants:
             t_d = time.perf_counter()
-            draft, said = self._draft(committed + [pending], k_max, position)
+            draft = self._propose(committed + [pending], k_max, position)
             draft_ms = (time.perf_counter() - t_d) * 1e3
-            self.stats.draft_s += draft_ms / 1e3
-        # Confidences that are already this generation's observed rates get no offset.
-        observed = bool(getattr(self.drafter, "observed_confidence", False))
-        draft, decision = self._choose(draft, snap, observed, draft_ms if t_d is not None else None)
-        width = len(draft) + 1
+            st.draft_s += draft_ms / 1e3
+        # Confidences that are already this generation's observed rates get no online offset.
+        shift = self.contract is not None and not (self.contract.observed_confidence if draft.observed is None
+                                                   else draft.observed)
+        # Choose the width: the policy's count, then the widest listed width the drafts fill.
+        keep, decision = policy.choose(draft.confidence, snap, shift, draft.source, draft_ms)
+        if decision is not None:
+            st.modes[decision.mode] = st.modes.get(decision.mode, 0) + 1
+        width = max(w for w in self.target.model.widths if w <= min(keep, len(draft)) + 1)
+        draft = draft.trimmed(width - 1)
+        # One target pass over [pending, drafts…], and the verdict.
         t_v = time.perf_counter()
         outcome = self._verify(cache, pending, draft, position)
         verify_ms = (time.perf_counter() - t_v) * 1e3
-        self.stats.verify_s += verify_ms / 1e3
-        if self.sched is not None:
-            self.sched.observe(width, verify_ms)
-            if t_d is not None:
-                # Every round that paid for drafting counts toward the gate, also one whose
-                # drafts were all declined: its token cost a draft and a pass.
-                self.sched.observe_round(1 + outcome.accepted, (time.perf_counter() - t_d) * 1e3)
-            if len(draft) and not observed:
-                self.sched.observe_acceptance(draft.confidence, outcome.accepted)
-        cache.commit(1 + outcome.accepted)  # the anchor and the accepted drafts
+        st.verify_s += verify_ms / 1e3
+        round_ms = None if t_d is None else (time.perf_counter() - t_d) * 1e3
+        policy.learn(width, verify_ms, round_ms, draft.confidence, outcome.accepted, shift)
+        # Commit the anchor and the accepted drafts; the rest of the pass is rolled back.
+        cache.commit(1 + outcome.accepted)
         committed.append(pending)
         committed.extend(outcome.tokens[:-1])
-        st = self.stats
         st.record(width, len(draft), outcome)
         info = RoundInfo(width, len(draft), outcome.accepted, tuple(float(c) for c in draft.confidence),
                          st.draft_n, st.accepted, decision, index=st.rounds,
-                         tokens=tuple(int(t) for t in outcome.tokens), draft_ms=draft_ms, verify_ms=verify_ms,
-                         t_s=time.perf_counter() - t0, telemetry=snap, drafting=said)
+                         tokens=tuple(int(t) for t in outcome.tokens), draft_ms=draft_ms or 0.0,
+                         verify_ms=verify_ms, t_s=time.perf_counter() - t0, telemetry=snap,
+                         drafting=dict(draft.record) if isinstance(draft.record, dict) else None)
         record(info)
+        # Feedback for the drafter's own learning.
         if self.drafter is not None and len(draft):
             try:
                 self.drafter.feedback(len(draft), outcome.accepted, committed)
@@ -191,65 +208,44 @@ class Speculator:
         self.disabled = f"available memory {snap.mem_available_mb:.0f} MiB is low: drafter unloaded"
         log.warning("%s", self.disabled)
         self.drafter, self.hidden_rows = None, None
-        self.pipe._release_drafter()
+        self.target.release()
 
-    def _draft(self, context: list[int], k_max: int, position: int) -> tuple[Draft, dict | None]:
-        """The drafter's checked proposal and its account of it; an empty draft when it fails
-        (a drafter must never take the generation down; enough failures in a row disable it)."""
-        cfg, sched = self.cfg, self.sched
+    def _propose(self, context: list[int], k_max: int, position: int) -> Draft:
+        """The drafter's checked proposal; an empty draft when it fails (a drafter must never
+        take the generation down; enough failures in a row disable it)."""
         try:
             new_hidden = None
             if self.hidden_rows is not None:
                 new_hidden = np.concatenate(self.hidden_rows) if self.hidden_rows else None
                 self.hidden_rows.clear()
+            verify_cost, offset = self.policy.hints()
+            cfg = self.cfg
             proposal = self.drafter.propose(DraftRequest(
-                context, k_max, cfg.temperature, cfg.top_k, cfg.top_p, new_hidden,
-                coupled_seed=self.seed, position=position,
-                verify_cost=None if sched is None else sched.costs.verify,
-                confidence_offset=0.0 if sched is None else sched.offset), self.rng)
-            check_draft(proposal, k_max, self.pipe.manifest.model.vocab_size)
+                context, k_max, cfg.temperature, cfg.top_k, cfg.top_p, new_hidden, coupled_seed=self.seed,
+                position=position, verify_cost=verify_cost, confidence_offset=offset), self.rng)
+            check_draft(proposal, k_max, self.target.vocab_size)
         except Exception as exc:
             self._failed("propose", exc)
-            return Draft.empty(), None
-        said = getattr(self.drafter, "last_proposal", None)
-        return proposal, (dict(said) if isinstance(said, dict) else None)
+            return Draft.empty()
+        return proposal
 
     def _failed(self, where: str, exc: Exception, fatal: bool = False) -> None:
         """Every drafter failure (in begin, propose or feedback) takes this path: logged, counted
         toward ``MAX_DRAFTER_FAILURES`` rounds in a row (``fatal``: at once), then speculation stops
         for this generation. The output never depends on it: a failed proposal verifies no drafts."""
         self.failures = MAX_DRAFTER_FAILURES if fatal else self.failures + 1
-        log.warning("drafter %s failed in %s (%s: %s)", getattr(self.drafter, "name", "?"), where,
-                    type(exc).__name__, exc)
+        log.warning("drafter %s failed in %s (%s: %s)", self.contract.name, where, type(exc).__name__, exc)
         if self.failures >= MAX_DRAFTER_FAILURES:
             self.disabled = (f"failed to start, in {where}: " if fatal else
                              f"{self.failures} consecutive failures, last in {where}: ") + f"{type(exc).__name__}: {exc}"
             log.warning("speculation disabled for this generation: %s", self.disabled)
             self.drafter, self.hidden_rows = None, None
 
-    def _choose(self, draft: Draft, snap: Snapshot | None, observed: bool,
-                draft_ms: float | None) -> tuple[Draft, Decision | None]:
-        """The drafts to verify: the scheduler's width, else the survival cut (no fixed length),
-        then the widest listed width the drafts fill (an unfilled width is never padded).
-        ``draft_ms`` is this round's drafting time, None when it did not draft."""
-        decision = None
-        if self.sched is not None:
-            source = getattr(self.drafter, "source", None) if draft_ms is not None else None
-            decision = self.sched.decide(draft.confidence, snap, shift=not observed, source=source)
-            if draft_ms is not None:  # after the choice: it must not see this round's own time
-                self.sched.costs.observe_draft(draft_ms, source=source)
-            self.stats.modes[decision.mode] = self.stats.modes.get(decision.mode, 0) + 1
-            draft = draft.trimmed(decision.width - 1)
-        elif self.cfg.draft_tokens is None and len(draft) > 1:
-            draft = draft.trimmed(survival_cut(draft.confidence, self.cfg.min_survival))
-        width = max(w for w in self.pipe.target.widths if w <= len(draft) + 1)
-        return draft.trimmed(width - 1), decision
-
     def _verify(self, cache, pending: int, draft: Draft, position: int) -> VerifyOutcome:
         """One target pass over [pending, drafts…] and the verification of the drafts; row 0
         decides answer position ``position``."""
         cfg = self.cfg
-        out = self.pipe.target.step(cache, np.concatenate(([pending], draft.tokens)).astype(np.int64))
+        out = self.target.model.step(cache, np.concatenate(([pending], draft.tokens)).astype(np.int64))
         if cfg.temperature == 0.0:
             outcome = verify_greedy(draft.tokens, out.logits)
         elif self.seed is not None:
@@ -285,13 +281,3 @@ def check_draft(draft: Draft, k_max: int, vocab: int) -> None:
             raise ValueError(f"draft distributions must be finite, non-negative and sum to 1 "
                              f"(within {Q_SUM_TOLERANCE:g}); row sums {np.round(sums, 6).tolist()}, "
                              f"min {float(q.min()):.3g}")
-
-
-def survival_cut(confidence: np.ndarray, min_survival: float) -> int:
-    """How many drafts to keep: draft j (1-based) stays while prod(c_1..c_{j-1}) >= min_survival.
-
-    Draft 1 always stays; the decision for draft j uses only the confidences before it
-    (the early stop that keeps rejection sampling lossless)."""
-    survival = np.cumprod(confidence[:-1])
-    below = np.flatnonzero(survival < min_survival)
-    return int(below[0]) + 1 if below.size else int(confidence.shape[0])

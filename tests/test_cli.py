@@ -240,9 +240,23 @@ def test_inspect_lists_files_and_hashes(tiny_engine):
     assert j["profile"]["status"] in ("ok", "stale", "throttled", "missing") and "psutil" in j["telemetry_sources"]
 
 
+def test_docs_drafter_example_runs(tiny_engine):
+    """docs/drafters.md's example drafter, on the tiny engine: it loads, drafts, stays exact."""
+    text = (REPO / "docs" / "drafters.md").read_text()
+    code = next(c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "BaseDrafter" in c)
+    code = code.replace('"engines/smollm2-135m"', repr(str(tiny_engine))) + (
+        "\nr = pipe.generate('The quick brown', max_new_tokens=12, draft_tokens=2)\n"
+        "ref = dspark_edge.load(" + repr(str(tiny_engine)) + ", 'fp32').generate('The quick brown', max_new_tokens=12)\n"
+        "assert r.token_ids == ref.token_ids and r.stats.draft_n > 0 and r.stats.drafter == 'repeat-last'\n"
+        "print('ok')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "ok"
+
+
 def test_readme_metrics_example_runs(tiny_engine):
-    """The README's metrics example, on a pipeline over the tiny engine (server on a free port)."""
-    text = (REPO / "README.md").read_text()
+    """docs/library.md's metrics example, on a pipeline over the tiny engine (server on a free port)."""
+    text = (REPO / "docs" / "library.md").read_text()
     code = next(c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "PrometheusMetrics()" in c)
     code = (f"import dspark_edge\nspec = dspark_edge.load({str(tiny_engine)!r}, drafter='ngram')\n"
             + code.replace("start_http_server(9100", "start_http_server(0").replace('"rounds.jsonl"', '"/dev/null"')

@@ -38,17 +38,10 @@ def table_bytes(tiny_engine, tmp_path_factory):
     """A real n-gram table for the tiny engine, to be damaged."""
     from dspark_export.ngram_table import build_table
 
-    import numpy as np
+    from tiny_model import fake_answer_work
 
-    work = tmp_path_factory.mktemp("ngram-work")
-    (work / "data").mkdir()
     seqs = [(list(range(10, 20)), list(range(20, 40))), (list(range(40, 45)), list(range(20, 35)))]
-    toks = [np.asarray(p + a, dtype=np.int32) for p, a in seqs]
-    n = sum(t.size for t in toks)
-    np.savez(work / "data" / "shard-00000.npz", tokens=np.concatenate(toks),
-             offsets=np.cumsum([0] + [t.size for t in toks]).astype(np.int64),
-             prompt_lens=np.asarray([len(p) for p, _ in seqs], dtype=np.int32),
-             aux=np.zeros((n, 1), np.float16), top_ids=np.zeros((n, 1), np.int32), top_logp=np.zeros((n, 1), np.float16))
+    work = fake_answer_work(tmp_path_factory.mktemp("ngram-work") / "work", seqs)
     out = tmp_path_factory.mktemp("ngram") / "t.npz"
     build_table(tiny_engine, work, output=out, progress=lambda *_: None, calibrate=False)
     return out.read_bytes()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import dspark_edge
+from tiny_model import fake_answer_work
 from dspark_edge import ConfigError
 from dspark_edge.drafters import DraftRequest, NgramDrafter, NgramTable
 from dspark_edge.drafters.ngram_table import FILE_NAME, context_key
@@ -113,15 +114,7 @@ def test_feedback_counts_only_the_drafts_verified():
 
 
 def _fake_work(tmp_path, sequences):
-    work = tmp_path / "work"
-    (work / "data").mkdir(parents=True)
-    toks = [np.asarray(p + a, dtype=np.int32) for p, a in sequences]
-    n = sum(t.size for t in toks)
-    np.savez(work / "data" / "shard-00000.npz", tokens=np.concatenate(toks),
-             offsets=np.cumsum([0] + [t.size for t in toks]).astype(np.int64),
-             prompt_lens=np.asarray([len(p) for p, _ in sequences], dtype=np.int32),
-             aux=np.zeros((n, 1), np.float16), top_ids=np.zeros((n, 1), np.int32), top_logp=np.zeros((n, 1), np.float16))
-    return work
+    return fake_answer_work(tmp_path / "work", sequences)
 
 
 def test_export_builds_installs_and_the_pipeline_stays_exact(engine_copy, tmp_path, capsys):

@@ -115,13 +115,13 @@ def test_ngram_drafts_are_used_where_they_promise_more(tiny_engine):
     costs = {w: 10.0 for w in pipe.target.widths}.__getitem__
     d.step_ms = 1e4  # the copy is too dear: the n-gram drafts of the repeated text are used
     draft = d.propose(DraftRequest(ids, 3, 0.0, 0, 1.0, verify_cost=costs), np.random.default_rng(0))
-    assert d.source == "ngram" and len(draft) > 0
+    assert draft.source == "ngram" and len(draft) > 0 and draft.record["source"] == "ngram"
     d.feedback(len(draft), len(draft), ids)  # goes to the n-gram drafter, not the copy's counts
     assert d.tried.sum() == 0
     d.step_ms = 1e-3
     d.tried[:], d.accepted[:] = 1000, 1000  # a free copy that is always right: it drafts instead
-    d.propose(DraftRequest(ids, 3, 0.0, 0, 1.0, verify_cost=costs), np.random.default_rng(0))
-    assert d.source == "self"
+    again = d.propose(DraftRequest(ids, 3, 0.0, 0, 1.0, verify_cost=costs), np.random.default_rng(0))
+    assert again.source == "self" and again.observed is True
 
 
 def test_self_drafting_errors_name_the_fix(tiny_engine, tiny_portable):
@@ -347,7 +347,7 @@ def test_the_copy_stops_where_ngram_drafts_continue_it(tiny_engine):
     d.step_ms = 1.0
     own = d.propose(request, np.random.default_rng(0))
     assert len(own) == 3 and d._copied == 3  # nothing continues it: the copy drafts all three
-    assert d.last_proposal == {"source": "self", "copied": 3, "continued": 0, "checked": 0, "agreed": 0,
+    assert own.record == {"source": "self", "copied": 3, "continued": 0, "checked": 0, "agreed": 0,
                                "why": "every length asked for"}
     d.ngram = _Guesser([11, 12, 13, 14], extend=True, propose=False)  # the continuation of answer position i
     d.step_ms = 1.0
@@ -358,8 +358,8 @@ def test_the_copy_stops_where_ngram_drafts_continue_it(tiny_engine):
     assert ext.tokens[1:].tolist() == [12, 13]  # request.position is 0: positions 1 and 2
     np.testing.assert_allclose(ext.confidence[1:], [0.9, 0.9])
     assert ext.q is None and d.extended == [1, 2]
-    assert d.last_proposal["copied"] == 1 and d.last_proposal["continued"] == 2
-    assert d.last_proposal["why"] == "the n-gram continuation promises more than further drafts"
+    assert ext.record["copied"] == 1 and ext.record["continued"] == 2
+    assert ext.record["why"] == "the n-gram continuation promises more than further drafts"
 
 
 def test_each_round_records_what_the_drafter_did(tiny_engine):

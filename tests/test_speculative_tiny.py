@@ -294,13 +294,13 @@ def test_hidden_states_of_committed_positions_reach_the_drafter(tiny_engine):
     ([0.4], 0.9, 1),
 ])
 def test_survival_cut(conf, floor, keep):
-    from dspark_edge.rounds import survival_cut
+    from dspark_edge.widths import survival_cut
 
     assert survival_cut(np.asarray(conf), floor) == keep
 
 
 def test_survival_cut_ignores_the_last_drafts_own_confidence():
-    from dspark_edge.rounds import survival_cut
+    from dspark_edge.widths import survival_cut
 
     a = survival_cut(np.asarray([0.9, 0.9, 0.01]), 0.5)
     b = survival_cut(np.asarray([0.9, 0.9, 0.99]), 0.5)

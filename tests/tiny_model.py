@@ -43,3 +43,18 @@ def make_tiny_hf(folder: Path, seed: int = 0, vocab_size: int = 384, layers: int
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)
     return folder
+
+
+def fake_answer_work(work: Path, sequences) -> Path:
+    """A drafter work folder holding one answer shard of (prompt ids, answer ids) pairs, in the
+    layout ``python -m export ngram-table --work`` counts (features zeroed)."""
+    import numpy as np
+
+    (work / "data").mkdir(parents=True)
+    toks = [np.asarray(p + a, dtype=np.int32) for p, a in sequences]
+    n = sum(t.size for t in toks)
+    np.savez(work / "data" / "shard-00000.npz", tokens=np.concatenate(toks),
+             offsets=np.cumsum([0] + [t.size for t in toks]).astype(np.int64),
+             prompt_lens=np.asarray([len(p) for p, _ in sequences], dtype=np.int32),
+             aux=np.zeros((n, 1), np.float16), top_ids=np.zeros((n, 1), np.int32), top_logp=np.zeros((n, 1), np.float16))
+    return work

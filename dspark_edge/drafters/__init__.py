@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from ..manifest import engine_path
-from .base import AcceptanceTracker, Draft, Drafter, DraftRequest
+from .base import AcceptanceTracker, BaseDrafter, Draft, Drafter, DraftRequest
 from .ngram import NgramDrafter
 from .ngram_table import FILE_NAME as TABLE_FILE
 from .ngram_table import NgramTable
@@ -16,7 +16,7 @@ from .spec import parse as parse_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AcceptanceTracker", "Draft", "DraftRequest", "Drafter", "DrafterSpec", "NgramDrafter", "NgramTable",
+__all__ = ["AcceptanceTracker", "BaseDrafter", "Draft", "DraftRequest", "Drafter", "DrafterSpec", "NgramDrafter", "NgramTable",
            "create", "parse_spec"]
 
 

@@ -5,14 +5,18 @@ each was drawn from (None for deterministic drafters) and a per-position confide
 (the estimated probability that draft i is accepted given drafts 1..i-1 were). After each
 round ``feedback`` says how many were accepted and which tokens were committed.
 Drafters know nothing about the verification rule, nor about the target's KV cache, except one
-with a ``bind_target(target, cache)`` method (self-drafting, ``self_draft.py``), which the
-pipeline calls with its cache before each generation.
+that drafts over it (self-drafting, ``self_draft.py``), which ``bind_target`` gives the target
+and its cache before each generation.
+
+What the round uses of a drafter is stated here and nowhere else: the ``Drafter`` protocol
+(``BaseDrafter`` gives its defaults), read once per generation into a ``Contract``; what one
+proposal reports travels with it (``Draft.source``, ``Draft.observed``, ``Draft.record``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -22,19 +26,34 @@ from ..verify import judged
 
 @dataclass
 class Draft:
+    """One proposal. Besides the drafts: ``source``, which of a drafter's sources drafted them
+    (the scheduler keeps drafting costs per source; None: the drafter has one); ``observed``,
+    whether the confidences are this generation's observed acceptance rates (the scheduler's
+    online offset then does not apply; None: the drafter's ``observed_confidence``); and
+    ``record``, a JSON-ready account of what the proposal did and why, copied into the round's
+    trace (``RoundInfo.drafting``)."""
+
     tokens: np.ndarray  # [k] int64, k may be 0
     q: np.ndarray | None  # [k, V] float64 draft distributions, or None (deterministic drafts)
     confidence: np.ndarray  # [k] float64 in [0, 1]
+    source: str | None = None
+    observed: bool | None = None
+    record: dict | None = None
 
     @classmethod
-    def empty(cls) -> "Draft":
-        return cls(np.zeros(0, dtype=np.int64), None, np.zeros(0))
+    def empty(cls, record: dict | None = None) -> "Draft":
+        return cls(np.zeros(0, dtype=np.int64), None, np.zeros(0), record=record)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
     def trimmed(self, k: int) -> "Draft":
-        return Draft(self.tokens[:k], None if self.q is None else self.q[:k], self.confidence[:k])
+        return replace(self, tokens=self.tokens[:k], q=None if self.q is None else self.q[:k],
+                       confidence=self.confidence[:k])
+
+    def reported(self, source: str | None, observed: bool | None, record: dict | None) -> "Draft":
+        """This proposal with what it reports."""
+        return replace(self, source=source, observed=observed, record=record)
 
 
 @dataclass(frozen=True)
@@ -65,17 +84,20 @@ class DraftRequest:
 
 
 class Drafter(Protocol):
+    """Everything the round uses of a drafter. ``BaseDrafter`` has the defaults; an object
+    without them gets the same defaults (``contract``)."""
+
     name: str
-    needs_hidden: bool  # wants the target's hidden states of committed positions
+    needs_hidden: bool  # wants the target's hidden states of committed positions (default False)
     # True when the confidences are themselves observed acceptance rates of this generation
     # (``AcceptanceTracker``): the scheduler's online confidence offset, which corrects a
     # calibration made elsewhere, is then not applied on top (it would correct them twice).
-    # A drafter without the attribute counts as False.
+    # A proposal may say otherwise for itself (``Draft.observed``). Default False.
     observed_confidence: bool
-    # Optional: a JSON-ready dict saying what the latest proposal did and why (which source
-    # drafted, how many drafts each gave, why drafting stopped); the pipeline copies it into the
-    # round's record (``RoundInfo.drafting``, the trace). A drafter without it records nothing.
-    last_proposal: dict | None
+
+    def bind_target(self, target, cache) -> None:
+        """Before each generation, after the prefill: the target and its KV cache, for a drafter
+        that drafts over them (default: nothing). Raise to refuse a cache it cannot share."""
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """A new generation starts from ``prompt_ids``."""
@@ -85,6 +107,50 @@ class Drafter(Protocol):
     def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:
         """``drafted`` tokens were verified, the first ``accepted`` kept; ``committed`` is the
         whole committed context now (without the new pending token)."""
+
+
+class BaseDrafter:
+    """The protocol's defaults, for drafters to inherit."""
+
+    name = "drafter"
+    needs_hidden = False
+    observed_confidence = False
+
+    def bind_target(self, target, cache) -> None:
+        return None
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        return None
+
+    def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class Contract:
+    """A drafter's answers to the protocol, read once (``contract``), for the round."""
+
+    name: str
+    needs_hidden: bool
+    observed_confidence: bool
+    bind_target: Callable[..., None] | None
+
+
+def contract(drafter) -> Contract:
+    """The protocol read off ``drafter``, with ``BaseDrafter``'s defaults for what an object
+    leaves out; a ``ConfigError`` when it lacks a method the round calls."""
+    from ..errors import ConfigError
+
+    missing = [m for m in ("begin", "propose", "feedback") if not callable(getattr(drafter, m, None))]
+    if missing:
+        raise ConfigError(f"drafter {drafter!r} lacks {', '.join(missing)}: a drafter needs begin(prompt_ids), "
+                          "propose(request, rng) and feedback(drafted, accepted, committed) "
+                          "(dspark_edge.drafters.base.Drafter)")
+    bind = getattr(drafter, "bind_target", None)
+    return Contract(name=str(getattr(drafter, "name", type(drafter).__name__)),
+                    needs_hidden=bool(getattr(drafter, "needs_hidden", False)),
+                    observed_confidence=bool(getattr(drafter, "observed_confidence", False)),
+                    bind_target=bind if callable(bind) else None)
 
 
 class AcceptanceTracker:

@@ -19,7 +19,7 @@ from ..decoder import DecoderModel
 from ..errors import EngineError
 from ..manifest import Manifest, read_manifest, verify_role_files
 from ..sampling import coupled_pick, greedy_top, probs, sample
-from .base import AcceptanceTracker, Draft, DraftRequest
+from .base import AcceptanceTracker, BaseDrafter, Draft, DraftRequest
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def check_compatible(target: Manifest, draft: Manifest, draft_dir: Path) -> None
                           "export a draft model that uses the target's tokenizer")
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(BaseDrafter):
     name = "draft_model"
     needs_hidden = False
     observed_confidence = False  # blends the draft model's probabilities in: the offset applies

@@ -27,7 +27,7 @@ from ..backends import BackendOptions
 from ..errors import ConfigError, EngineError
 from ..manifest import Manifest, verify_files, verify_role_files
 from ..sampling import coupled_pick, probs, sample
-from .base import Draft, DraftRequest
+from .base import BaseDrafter, Draft, DraftRequest
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def sequential_step(u: np.ndarray, h: np.ndarray, anchor: int, w1: np.ndarray, w
     return drafts, z
 
 
-class DSparkDrafter:
+class DSparkDrafter(BaseDrafter):
     name = "dspark"
     needs_hidden = True
     observed_confidence = False  # calibrated offline: the scheduler's online offset applies

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import ConfigError
-from .base import AcceptanceTracker, Draft, DraftRequest
+from .base import AcceptanceTracker, BaseDrafter, Draft, DraftRequest
 from .ngram_table import NgramTable
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class RateTracker:
         return (self.accepted + self.prior * self.prior_weight) / (self.tried + self.prior_weight)
 
 
-class NgramDrafter:
+class NgramDrafter(BaseDrafter):
     name = "ngram"
     needs_hidden = False
     observed_confidence = True  # the confidences are this generation's acceptance rates

@@ -76,7 +76,7 @@ from ..manifest import Manifest, verify_role_files
 from ..sampling import coupled_pick, greedy_margin, probs, sample, top_margin
 from ..scheduler import CostModel, choose_width, shifted
 from ..verify import judged
-from .base import Draft, DraftRequest
+from .base import BaseDrafter, Draft, DraftRequest
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ MARGIN_PRIOR = (0.74, 0.95, 0.98, 0.99, 0.99, 0.99, 0.99, 0.99)
 PRIOR_WEIGHT = 4.0
 
 
-class SelfDrafter:
+class SelfDrafter(BaseDrafter):
     name = "self"
     needs_hidden = False
     observed_confidence = True
@@ -118,7 +118,7 @@ class SelfDrafter:
         self._view = None
         self._widths: tuple[int, ...] = ()
         self.step_ms = 0.0  # moving average of one drafting step
-        self.source = "self"  # of the latest proposal: "self" or "ngram"
+        self._source = "self"  # of the latest proposal, for its feedback: "self" or "ngram"
         self._bins: list[int] = []  # margin bin of each draft of the latest self proposal
         self.tried = np.zeros(len(MARGIN_PRIOR))  # judged drafts per margin bin, across generations
         self.accepted = np.zeros(len(MARGIN_PRIOR))
@@ -131,7 +131,7 @@ class SelfDrafter:
         self._agreed = 0  # how many of them the copy drew
         self.staged = [0, 0, 0]  # staged checks so far: passes, guesses checked, guesses the copy drew
         self.extended = [0, 0]  # proposals the n-gram drafts extended, and their drafts
-        self.last_proposal: dict | None = None  # what the latest proposal did, for traces
+        self._record: dict | None = None  # what the latest proposal did (reported with it: Draft.record)
 
     # -- the target's cache -------------------------------------------------------------------
     def bind_target(self, target: DecoderModel, cache) -> None:
@@ -194,6 +194,14 @@ class SelfDrafter:
         return best
 
     def propose(self, request: DraftRequest, rng: np.random.Generator) -> Draft:
+        """The n-gram drafts or the copy's, reporting which (``Draft.source``), whether the
+        confidences are observed rates (the copy's are; the n-gram drafter's may not be) and
+        what the proposal did (``Draft.record``)."""
+        draft = self._propose(request, rng)
+        observed = self.ngram.observed_confidence if self._source == "ngram" else True
+        return draft.reported(self._source, observed, self._record)
+
+    def _propose(self, request: DraftRequest, rng: np.random.Generator) -> Draft:
         k_max = min(request.max_tokens, self.max_tokens)
         if k_max < 1:
             return Draft.empty()
@@ -202,17 +210,16 @@ class SelfDrafter:
         if self.ngram is not None:
             ng = self.ngram.propose(request, rng)
             if len(ng) and self._use_ngram(ng, k_max, cost, request.confidence_offset):
-                self.source = "ngram"
-                self.observed_confidence = self.ngram.observed_confidence
-                self.last_proposal = {"source": "ngram", "drafts": len(ng),
-                                      "why": "the n-gram drafts promise more than the copy's"}
+                self._source = "ngram"
+                self._record = {"source": "ngram", "drafts": len(ng),
+                                "why": "the n-gram drafts promise more than the copy's"}
                 return ng
             j = self._stage_width(ng, k_max, request.confidence_offset)
             guesses = [int(t) for t in ng.tokens[:j]]
-        self.source, self.observed_confidence = "self", True
+        self._source = "self"
         if cost is not None and self._self_value(k_max, cost) <= 1.0 / cost(1):
-            self.last_proposal = {"source": "self", "copied": 0, "continued": 0,
-                                  "why": "drafting with the copy is not expected to pay"}
+            self._record = {"source": "self", "copied": 0, "continued": 0,
+                            "why": "drafting with the copy is not expected to pay"}
             return Draft.empty()
         return self._draft(request, k_max, cost, rng, guesses)
 
@@ -260,13 +267,13 @@ class SelfDrafter:
                guesses: Sequence[int] = ()) -> Draft:
         cache, view = self._target_cache, self._view
         self._guesses, self._agreed, self._copied = [], 0, 0
-        self.last_proposal = {"source": "self", "copied": 0, "continued": 0, "why": "not bound to this context's cache"}
+        self._record = {"source": "self", "copied": 0, "continued": 0, "why": "not bound to this context's cache"}
         if view is None or cache is None or cache.length != len(request.context) - 1:
             return Draft.empty()  # not bound to the cache this context is in (e.g. a replay)
         k_max = min(k_max, cache.free - 1)
         listed = sorted(w - 1 for w in self._widths if 1 <= w - 1 <= k_max)
         if not listed:
-            self.last_proposal["why"] = "no listed width fits the room left in the cache"
+            self._record["why"] = "no listed width fits the room left in the cache"
             return Draft.empty()
         guesses = list(guesses)[:max(k_max - 1, 0)]
         greedy = request.temperature == 0.0
@@ -402,13 +409,13 @@ class SelfDrafter:
                 qs.append(one)
             self.extended[0] += 1
             self.extended[1] += len(more)
-        self.last_proposal = {"source": "self", "copied": n, "continued": len(more), "checked": len(guesses),
-                              "agreed": self._agreed, "why": why}
+        self._record = {"source": "self", "copied": n, "continued": len(more), "checked": len(guesses),
+                        "agreed": self._agreed, "why": why}
         return Draft(np.asarray(tokens, dtype=np.int64), np.stack(qs) if qs else None,
                      np.asarray(conf, dtype=np.float64))
 
     def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:
-        if self.source == "ngram":
+        if self._source == "ngram":
             self.ngram.feedback(drafted, accepted, committed)
             return
         copied = min(drafted, self._copied)
