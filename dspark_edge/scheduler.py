@@ -381,13 +381,14 @@ class Scheduler:
         bound = self.config.max_offset
         self.offset = float(np.clip(self.offset + lr * float((y - c[:n]).sum()), -bound, bound))
 
-    def decide(self, confidence: np.ndarray, snap: Snapshot, shift: bool = True, source: str | None = None) -> Decision:
+    def decide(self, confidence: np.ndarray, snap: Snapshot | None, shift: bool = True, source: str | None = None) -> Decision:
         """The verify width for drafts with these calibrated confidences, shifted by the online
         offset unless ``shift`` is false (confidences that are observed acceptance rates already,
         as the n-gram drafter's are). ``source``: which of a drafter's sources drafted them
         (its drafting time is costed apart)."""
         self.step += 1
         self._source = source
+        snap = snap if snap is not None else Snapshot(t=0.0)  # nothing samples telemetry: nothing known
         confidence = np.asarray(confidence)
         k = int(confidence.shape[0])
         use = shift and k > 0
