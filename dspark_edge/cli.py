@@ -21,6 +21,8 @@ from .errors import ConfigError, DSparkError, GenerationError, PromptError
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="log details to stderr (also accepted before the command)")
     p.add_argument("--engine", required=True, help="engine folder written by `python -m export target`")
     p.add_argument("--precision", default=None, help="target precision to load (default: the most precise exported)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: onnxruntime's choice)")
@@ -98,14 +100,25 @@ def _load(args, drafter=None, shared_threads: bool = False):
         # onnxruntime then refuses sessions with pools of their own (code that calls ``main``
         # in its own process, a test for one, may open such sessions afterwards).
         options = replace(options, shared_threads=True)
-    return load(args.engine, args.precision, drafter=drafter, backend=args.backend, options=options,
-                verify_hashes=not args.no_verify_hashes, scheduler=_scheduler_config(args))
+    import time
+
+    t0 = time.perf_counter()
+    print(f"[load] {args.engine}: target {args.precision or 'at its most precise'}, drafter {drafter or 'none'}"
+          f"{'' if args.no_verify_hashes else ', checking file hashes'}", file=sys.stderr, flush=True)
+    pipe = load(args.engine, args.precision, drafter=drafter, backend=args.backend, options=options,
+                verify_hashes=not args.no_verify_hashes, scheduler=_scheduler_config(args),
+                chat_template=getattr(args, "chat_template", None))
+    print(f"[load] ready in {time.perf_counter() - t0:.1f} s: target {pipe.target.precision}, drafter "
+          f"{pipe.drafter.name if pipe.drafter is not None else 'none'}", file=sys.stderr, flush=True)
+    return pipe
 
 
 def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    p.add_argument("--drafter", default=None,
-                   help=f"speculative decoding with a drafter ({drafter_spec.describe()}; default: plain "
-                        "decoding)")
+    p.add_argument("--drafter", default="auto",
+                   help=f"the drafter ({drafter_spec.describe()}; default: %(default)s, as in the library's "
+                        "and the demo's defaults; 'none' decodes plainly)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the engine folder's")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="verify exactly this many drafts every round (default: the scheduler chooses)")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="answer length limit (default: %(default)s)")
@@ -219,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt, streaming it to stdout")
     _engine_args(g)
-    g.add_argument("prompt", help="the prompt (sent through the chat template unless --raw)")
+    g.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt (sent through the chat template unless --raw); '-' reads it from stdin")
+    g.add_argument("-f", "--prompt-file", default=None, metavar="FILE", help="read the prompt from FILE (UTF-8)")
     g.add_argument("--raw", action="store_true", help="use the prompt as plain text, no chat template")
     g.add_argument("--system", default=None, help="system message (chat mode)")
     _generation_args(g, 256)
@@ -335,14 +350,32 @@ def _result_json(r) -> dict:
             "stats": r.stats.as_dict()}
 
 
+def _prompt_text(args) -> str:
+    """The prompt of ``generate``: the argument, stdin for '-', or ``--prompt-file``."""
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise ConfigError("give the prompt as an argument ('-' reads stdin) or with --prompt-file FILE, not both")
+    try:
+        if args.prompt_file is not None:
+            with open(args.prompt_file, "rb") as f:
+                return f.read().decode("utf-8")
+        if args.prompt == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(f"--prompt-file {args.prompt_file}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"the prompt is not UTF-8 text (byte {exc.start})") from None
+    return args.prompt
+
+
 def cmd_generate(args) -> int:
     check_outputs(args)
+    text = _prompt_text(args)
     pipe = _load(args, drafter=args.drafter)
     if args.raw:
-        prompt = args.prompt
+        prompt = text
     else:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                 [{"role": "user", "content": args.prompt}]
+                 [{"role": "user", "content": text}]
     cfg = _generation_config(args)
     outputs = _Outputs(pipe, args)
     try:
@@ -730,6 +763,20 @@ def cmd_profile(args) -> int:
     return 0
 
 
+# The library's errors name its parameters; on the command line the fix is a flag.
+_FLAGS = (("context_policy='truncate'", "--context-policy truncate"), ("load with a larger max_context",
+          "pass a larger --max-context"), ("max_context", "--max-context"), ("intra_op_threads", "--threads"),
+          ("draft_tokens=", "--draft-tokens "), ("verify_hashes=False", "--no-verify-hashes"),
+          ("special_in_content=True", "the library's special_in_content=True"))
+
+
+def as_flags(message: str) -> str:
+    """A library error message with its parameter names put as the CLI's flags."""
+    for name, flag in _FLAGS:
+        message = message.replace(name, flag)
+    return message
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the program is (``on_sigterm``): handled like Ctrl-C, exit 143."""
 
@@ -752,8 +799,13 @@ def run_reporting_errors(fn, *args) -> int:
     try:
         return fn(*args)
     except DSparkError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {as_flags(str(exc))}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Terminated:
         print("[terminated]", file=sys.stderr)
         return 143

@@ -49,7 +49,8 @@ Prompt = str | Sequence[Mapping[str, str]]
 
 def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, backend: str = "onnxruntime",
          options: BackendOptions | None = None, verify_hashes: bool = True,
-         scheduler: SchedulerConfig | bool | None = None, telemetry: Reader | None = None) -> "Pipeline":
+         scheduler: SchedulerConfig | bool | None = None, telemetry: Reader | None = None,
+         chat_template: str | Path | None = None) -> "Pipeline":
     """Open an engine folder. ``precision`` defaults to the most precise one exported.
 
     ``drafter``: None (plain decoding), "dspark" / "dspark:<precision>" (the engine folder's
@@ -64,7 +65,8 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
 
     ``scheduler``: with a drafter, the confidence scheduler picks each round's verify width
     (default ``SchedulerConfig()``; ``False`` keeps the simple survival cut). ``telemetry``: the
-    reader it samples (default: this machine's ``SystemReader``).
+    reader it samples (default: this machine's ``SystemReader``). ``chat_template``: the path
+    of a Jinja chat template to use instead of the engine folder's.
     """
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
@@ -76,6 +78,8 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     verify_role_files(manifest, engine_dir, "target", precision, check_hashes=verify_hashes)
     target = DecoderModel(manifest, engine_dir, precision, backend, options)
     tokenizer = Tokenizer.from_engine(engine_dir, manifest, check_hashes=verify_hashes)
+    if chat_template is not None:
+        tokenizer.use_template(_read_template(Path(chat_template)), str(chat_template))
 
     def make_drafter():
         return create_drafter(drafter, manifest, options=drafter_options, verify_hashes=verify_hashes,
@@ -90,6 +94,18 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
         pipe.enable_scheduler(scheduler if isinstance(scheduler, SchedulerConfig) else SchedulerConfig(),
                               telemetry, make_drafter if isinstance(drafter, (str, Path)) else None)
     return pipe
+
+
+def _read_template(path: Path) -> str:
+    from .manifest import read_bounded
+    from .tokenizer import MAX_TEMPLATE_BYTES
+
+    if not path.is_file():
+        raise ConfigError(f"chat template {path} does not exist or is not a file")
+    try:
+        return read_bounded(path, MAX_TEMPLATE_BYTES, ConfigError).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"chat template {path} is not UTF-8 text (byte {exc.start})") from None
 
 
 def auto_drafter(manifest: Manifest, precision: str, backend: str = "onnxruntime",

@@ -66,6 +66,11 @@ class Tokenizer:
                      engine_dir / info.file)
         return cls(engine_dir / info.file, info, template, tokenizer_json=data)
 
+    def use_template(self, source: str, where: str) -> None:
+        """Render chat with ``source`` instead of the engine folder's template (compiled now; a
+        syntax error names ``where``)."""
+        self.chat_template, self._template = source, _compile_template(source, where)
+
     # -- text ---------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special-token strings in it are recognised. BOS is added

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import dspark_edge
 from dspark_edge.metrics import TraceWriter
-from dspark_edge.drafters import parse_spec
 from dspark_edge.drafters import spec as drafter_spec
 from dspark_edge.drafters.spec import own_model
 from dspark_edge.tokenizer import IncrementalDecoder
@@ -257,9 +256,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default=str(DEFAULT_ENGINE), help="engine folder (default: %(default)s)")
     ap.add_argument("--precision", default=None,
-                    help="target precision (default: int8 when exported, else the most precise; the most "
-                         "precise with --race, where INT8's width-dependent rounding would make the outputs drift "
-                         "apart, and with a self drafter, whose INT8 copy drafts for a more precise target)")
+                    help="target precision (default: the most precise exported, as in `python -m dspark_edge`; "
+                         "INT8 decodes faster but is not the model's own output, and its width-dependent rounding "
+                         "makes speculative INT8 output drift from plain INT8 output)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question (default: %(default)r)")
     ap.add_argument("--drafter", default=None,
                     help=f"'auto' (default) or another drafter: {drafter_spec.describe()}")
@@ -296,14 +295,10 @@ def main() -> int:
             if path and not Path(path).resolve().parent.is_dir():
                 raise dspark_edge.ConfigError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist")
         manifest = dspark_edge.read_manifest(args.engine)
-        # INT8 kernels round differently at different widths, so INT8 speculative output may drift
-        # from INT8 plain output; the race compares at FP32 unless told otherwise.
-        available = manifest.precisions("target", args.backend)
         providers = tuple(p for p in args.providers.split(",") if p)
         drafter = args.drafter or "auto"
-        # Self-drafting needs a target more precise than its INT8 copy.
-        fast = "int8" if "int8" in available and not args.race and not (isinstance(drafter, str) and parse_spec(drafter).self_drafting) else None
-        precision = args.precision or fast
+        # The same defaults as `python -m dspark_edge`: the most precise target, drafter "auto".
+        precision = args.precision
         if args.race and drafter == "none":
             raise dspark_edge.ConfigError("--race compares plain and speculative decoding: give a drafter, "
                                           "not --drafter none")

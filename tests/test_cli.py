@@ -267,3 +267,43 @@ def test_readme_metrics_example_runs(tiny_engine):
     assert p.returncode == 0, p.stderr
     tokens, draft_n = p.stdout.split()[-2:]
     assert float(tokens) == 8 and float(draft_n) >= 0
+
+
+def test_prompt_sources_verbose_anywhere_and_a_template_override(tiny_engine, tmp_path):
+    e = ["generate", "--engine", str(tiny_engine), "--raw", "--max-new-tokens", "3", "--json"]
+    ref = json.loads(run(*e, "The quick brown").stdout)
+    p = subprocess.run([sys.executable, "-m", "dspark_edge", *e, "-"], input="The quick brown", cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["token_ids"] == ref["token_ids"]  # '-' reads the prompt from stdin
+    (tmp_path / "p.txt").write_text("The quick brown")
+    assert json.loads(run(*e, "-f", str(tmp_path / "p.txt")).stdout)["token_ids"] == ref["token_ids"]
+    p = run(*e, "-f", str(tmp_path / "p.txt"), "also an argument")
+    assert p.returncode == 2 and "not both" in p.stderr
+    p = run(*e, "-v", "The quick brown")  # -v after the command
+    assert p.returncode == 0 and "INFO" in p.stderr and "[load] ready" in p.stderr
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}<<{{ m.content }}>>{% endfor %}")
+    chat = ["generate", "--engine", str(tiny_engine), "--max-new-tokens", "2", "--json", "hello"]
+    own = json.loads(run(*chat).stdout)["stats"]["prompt_tokens"]
+    other = json.loads(run(*chat, "--chat-template", str(tmp_path / "t.jinja")).stdout)["stats"]["prompt_tokens"]
+    assert own != other
+    p = run(*chat, "--chat-template", str(tmp_path / "none.jinja"))
+    assert p.returncode == 2 and "does not exist" in p.stderr
+
+
+def test_cli_errors_name_flags_not_library_parameters(tiny_engine):
+    p = run("generate", "--engine", str(tiny_engine), "--raw", "word " * 600, "--max-new-tokens", "2")
+    assert p.returncode == 2 and "--context-policy truncate" in p.stderr and "context_policy" not in p.stderr
+    p = run("generate", "--engine", str(tiny_engine), "--raw", "hi", "--draft-tokens", "4", "--drafter", "ngram")
+    assert p.returncode == 2 and "--draft-tokens 4" in p.stderr and "draft_tokens=" not in p.stderr
+    p = run("generate", "--engine", str(tiny_engine), "hi", "--drafter", "banana")
+    assert p.returncode == 2 and "auto" in p.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tiny_engine):
+    proc = subprocess.Popen([sys.executable, "-m", "dspark_edge", "inspect", "--engine", str(tiny_engine)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    proc.stdout.read(10)
+    proc.stdout.close()  # as `| head -1` does
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err and proc.returncode in (0, 141)

@@ -64,10 +64,10 @@ def test_default_drafters_follow_the_engine(tiny_engine):
     r = demo("--engine", str(tiny_engine), "--max-new-tokens", "8", "--drafter", "self")
     assert r.returncode == 0, r.stderr
     assert "target fp32" in r.stdout and "drafter self:int8" in r.stdout
-    # Without --race the default stays the n-gram drafter on the INT8 target.
+    # Without --race the defaults are the command line's: the most precise target, drafter auto.
     t = demo("--engine", str(tiny_engine), "--max-new-tokens", "8")
     assert t.returncode == 0, t.stderr
-    assert "target int8" in t.stdout and "drafter ngram" in t.stdout and "+self" not in t.stdout
+    assert "target fp32" in t.stdout and "drafter ngram+self:int8" in t.stdout
 
 
 def test_chat_reads_turns_from_stdin(tiny_engine):

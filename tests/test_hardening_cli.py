@@ -87,8 +87,8 @@ def test_bench_options_are_checked_before_any_work(tiny_engine):
 
 def test_threads_and_context_have_bounds(tiny_engine):
     e = ["generate", "--engine", str(tiny_engine), "hi", "--max-new-tokens", "2"]
-    assert "intra_op_threads must be between 1 and" in clean_error(run(*e, "--threads", "1000"))
-    assert "max_context must be >= 16" in clean_error(run(*e, "--max-context", "8", "--drafter", "ngram"))
+    assert "--threads must be between 1 and" in clean_error(run(*e, "--threads", "1000"))
+    assert "--max-context must be >= 16" in clean_error(run(*e, "--max-context", "8", "--drafter", "ngram"))
 
 
 def test_a_broken_ngram_table_is_a_clean_error(engine_copy):
