@@ -112,8 +112,8 @@ def auto_drafter(manifest: Manifest, precision: str, backend: str = "onnxruntime
                  providers: Sequence[str] = ("CPUExecutionProvider",)) -> str:
     """The drafter ``drafter="auto"`` stands for: the engine folder's DSpark drafter when it has
     one; else, for a target above INT8 on the CPU with the engine's INT8 graph at hand,
-    "ngram+self" (the fastest exact decoding measured on a CPU: docs/notes/2026-11-30-to-12-02-measurements.md, "Where
-    things stand"); else "ngram". Self-drafting is CPU-only here: on a GPU the copy's cost
+    "ngram+self" (the fastest exact decoding measured on a CPU: docs/performance.md); else
+    "ngram". Self-drafting is CPU-only here: on a GPU the copy's cost
     relative to the target's is unmeasured."""
     if manifest.drafter is not None:
         return "dspark"
@@ -126,11 +126,10 @@ def auto_drafter(manifest: Manifest, precision: str, backend: str = "onnxruntime
 def drafter_backend_options(drafter, options: BackendOptions | None) -> BackendOptions | None:
     """The backend options a drafter given by name or path runs with: those of the target, but
     without thread spinning for a drafter with its own model. Two sessions take turns on the
-    same cores, and the drafter's threads must not spin-wait after its short pass (a spinning
-    drafter made the next width-2 target pass 61 instead of 40 ms, 2-core EPYC); the target
-    keeps its own setting (docs/notes/2026-11-30-to-12-02-measurements.md, "Two thread pools and BLAS"). Better still, with
-    ``BackendOptions.shared_threads`` (``python -m dspark_edge`` sets it for such drafters) both run on
-    one process-wide pool (docs/notes/2026-11-30-to-12-02-measurements.md, "Self-drafting")."""
+    same cores, so the drafter's threads must not spin-wait after its short pass and slow the
+    target's next one; the target keeps its own setting (measured: docs/notes/, "Two thread
+    pools and BLAS"). Better still, with ``BackendOptions.shared_threads`` (``python -m
+    dspark_edge`` sets it for such drafters) both run on one process-wide pool."""
     if own_model(drafter) and not (options is not None and options.shared_threads):
         log.info("drafter in use: onnxruntime thread spinning disabled for the drafter's session")
         return replace(options or BackendOptions(), allow_spinning=False)

@@ -14,10 +14,8 @@ thermal/memory modes with hysteresis, probes while parked) and a record of every
 its inputs and reason.
 
 The confidence offset: a drafter's confidences are calibrated offline on held-out rounds of its
-training distribution, and a workload it drafts better or worse for shifts them (the trained
-drafter's calibrated first-position confidence averaged 0.34 on the benchmark prompts, where
-27 % were accepted, and 0.46 on prompts it was trained on, where 68 % were). The scheduler
-therefore shifts every confidence in logit space by one offset δ, c' = σ(logit c + δ), and
+training distribution, and a workload it drafts better or worse for shifts them (measured:
+docs/notes/, "DSpark drafter"). The scheduler therefore shifts every confidence in logit space by one offset δ, c' = σ(logit c + δ), and
 after each verified round moves δ by ``online_calibration`` × (y − c') for every verified draft
 up to the first rejection (y = 1 accepted, 0 rejected): a stochastic gradient step on the
 log-loss of the conditional acceptance. δ depends only on past rounds, so the width choice of a
@@ -28,8 +26,8 @@ shifted nor counted: the pipeline passes ``shift=False`` and skips ``observe_acc
 Exploration: both the offset and a drafter's own acceptance counts learn only from verified
 drafts, and the cost correction of a width only from passes at that width. A bad stretch (a
 run of rejections, a few slow wide passes) can make every draft look not worth verifying, and
-then nothing would ever show otherwise: replayed on the benchmark answers under the INT8 cost
-curve, a scheduler started at δ = −3 verified no draft in 1,320 rounds. So after
+then nothing would ever show otherwise (a replay that starts at δ = −3 verifies no draft at all:
+docs/notes/, "Calibrated n-gram confidences"). So after
 ``explore_every`` rounds in a row whose drafts were all declined, one round verifies the first
 draft (the narrowest listed width above 1); the choice depends only on that count.
 """
@@ -342,10 +340,9 @@ class Scheduler:
     def observe_round(self, tokens: int, ms: float, weight: float | None = None) -> None:
         """A speculative round's outcome: committed tokens and its time (drafting + verify),
         folded into the gate's moving rate with ``gate_weight``. The weight is small on purpose:
-        the rate is kept across generations, and with 0.2 a short run of rejected wide rounds on
-        one prompt closed the gate for the next, which a probe every 16 rounds reopened only slowly
-        (replayed on a drafter accepted 68 % of the time: 46.1 vs 47.8 tok/s, one category 17 %
-        behind its best fixed length; bench/scheduler_replay.py)."""
+        the rate is kept across generations, so one prompt's short run of rejected wide rounds
+        must not close the gate for the next (a probe every ``probe_every`` rounds would reopen
+        it only slowly; bench/scheduler_replay.py measures the choice)."""
         if ms <= 0:
             return
         weight = self.config.gate_weight if weight is None else weight

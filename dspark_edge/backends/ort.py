@@ -92,11 +92,11 @@ def resolve_providers(options: BackendOptions) -> tuple[list[str], list[dict]]:
 def open_session(path: str, options: BackendOptions, qdq: bool = False):
     """An InferenceSession for ``path`` with the options' threads, spinning and providers.
 
-    ``qdq``: the graph is explicitly quantized (the portable INT8 graph). On the CPU provider
-    ONNX Runtime's QDQ fusions turn it into int8 kernels that were 8x slower than FP32 for this
-    graph (428 vs 54 ms per token on the embedded default, 2-core EPYC); with them off the
-    quantize-dequantize pairs run as written (the same int8 rounding, FP32 products). INT8 speed
-    on a CPU comes from the fused graph's int8; this file's int8 is for TensorRT."""
+    ``qdq``: the graph is explicitly quantized (the portable INT8 graph). On the CPU provider its
+    QDQ fusions are turned off: the fused int8 kernels they make are far slower than FP32 for this
+    graph (docs/notes/, "Portable graph on the CPU"), while the quantize-dequantize pairs run as
+    written keep the same int8 rounding with FP32 products. INT8 speed on a CPU comes from the
+    fused graph's int8; the portable graph's int8 is for TensorRT."""
     ort = _import_ort()
     so = ort.SessionOptions()
     if _SHARED_POOL or (options.shared_threads and _shared_pool(options.intra_op_threads)):
