@@ -372,8 +372,13 @@ class TextStream:
 
     def close(self) -> None:
         """Abandon the generation now (no result): frees the pipeline for the next one. Safe to
-        call at any time, also after the stream ended."""
-        self._iter.close()
+        call at any time, also after the stream ended. From another thread while a round is
+        running it cannot stop that thread's round: it cancels instead (the stream ends after
+        the round, stop reason "cancelled")."""
+        try:
+            self._iter.close()
+        except ValueError:  # "generator already executing": the round runs in another thread
+            self.cancel()
 
     def _run(self) -> Iterator[str]:
         p = self._pipeline

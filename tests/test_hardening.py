@@ -471,3 +471,28 @@ def test_option_types_are_strict_and_numpy_integers_welcome(plain_tiny):
     with pytest.raises(ConfigError, match="ignore_eos must be true or false"):
         plain_tiny.generate("hi", ignore_eos="no")
     assert plain_tiny.generate("hi", max_new_tokens=np.int64(3)).stats.new_tokens <= 3
+
+
+def test_stream_close_from_another_thread_mid_round_cancels(tiny_engine):
+    import threading
+
+    class Slow(_Drafter):  # a round long enough for the other thread to call close() inside it
+        def propose(self, request, rng):
+            time.sleep(0.05)
+            return super().propose(request, rng)
+
+    with dspark_edge.load(tiny_engine, "fp32", drafter=Slow(None), scheduler=False) as pipe:
+        stream = pipe.stream("The quick brown", max_new_tokens=200, ignore_eos=True, draft_tokens=2)
+        pieces, errors = [], []
+
+        def consume():
+            try:
+                pieces.extend(stream)
+            except Exception as exc:  # the test reports any
+                errors.append(exc)
+        t = threading.Thread(target=consume)
+        t.start()
+        time.sleep(0.3)
+        stream.close()  # mid-round, from this thread
+        t.join(30)
+        assert not errors and stream.result is not None and stream.result.stop_reason == "cancelled"
