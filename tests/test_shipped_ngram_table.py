@@ -5,6 +5,8 @@ output exact, and makes the n-gram drafter accepted more often than prompt looku
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,15 +23,22 @@ TABLE = REPO / "drafters" / "smollm2-135m-ngram.npz"
 
 @pytest.fixture(scope="module")
 def engine(default_engine, tmp_path_factory):
-    """The default engine's files linked into a folder of its own, with the table installed
-    there (the shared default engine stays without one)."""
+    """The default engine's files hard-linked (copied across file systems) into a folder of
+    its own, with the table installed there (the shared default engine stays without one).
+    Not symlinked: the runtime reads no file that resolves outside its engine folder."""
     from dspark_export.__main__ import main
 
     out = tmp_path_factory.mktemp("default-with-table") / "engine"
     out.mkdir()
-    for item in default_engine.iterdir():
-        if item.name != FILE_NAME:
-            (out / item.name).symlink_to(item.resolve())
+    for item in default_engine.resolve().rglob("*"):
+        rel = item.relative_to(default_engine.resolve())
+        if item.name == FILE_NAME or item.is_dir():
+            continue
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(item, out / rel)
+        except OSError:
+            shutil.copy2(item, out / rel)
     assert main(["ngram-table", "--target", str(out), "--from", str(TABLE)]) == 0
     return out
 
