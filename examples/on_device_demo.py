@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import dspark_edge
+from dspark_edge.cli.errors import exit_code
 from dspark_edge.metrics import TraceWriter
 from dspark_edge.drafters import spec as drafter_spec
 from dspark_edge.drafters.spec import own_model
@@ -339,15 +340,8 @@ def main() -> int:
             if not args.chat:
                 break
         return 0
-    except dspark_edge.GenerationError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except dspark_edge.DSparkError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\n[interrupted]", file=sys.stderr)
-        return 130
+    except (dspark_edge.DSparkError, BrokenPipeError, KeyboardInterrupt) as exc:
+        return exit_code(exc)  # the command line's exit codes and messages
     finally:
         if trace is not None:
             trace.close()

@@ -158,7 +158,7 @@ def test_sigterm_and_sigint_keep_the_partial_output(tiny_engine, capsys, as_json
         pipe.add_observer(Stopper())
         cfg = GenerationConfig(max_new_tokens=50, ignore_eos=True)
         with pytest.raises(exc_type):
-            cli._answer(pipe, "The quick", cfg, as_json)
+            cli.answer(pipe, "The quick", cfg, as_json)
         out = capsys.readouterr().out
         if as_json:
             rec = json.loads(out)

@@ -1,0 +1,53 @@
+"""``profile``: measure this device's cost of every variant of an engine."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+
+def register(sub) -> None:
+    """Add the ``profile`` command to the subparsers ``sub``."""
+    pr = sub.add_parser("profile", help="measure this device's cost of every variant of an engine",
+                        description="Time the target at every verify width and the drafter at every block size "
+                                    "(warm-up, median of repeats, at several context depths) and write "
+                                    "<device-key>.json to the user's profile folder (or --output-dir / "
+                                    "DSPARK_PROFILES), which the scheduler loads automatically.")
+    pr.add_argument("--engine", required=True, help="engine folder to profile")
+    pr.add_argument("--contexts", default="64,512", help="context depths (default: %(default)s)")
+    pr.add_argument("--repeats", type=int, default=9, help="timed repeats per variant (default: %(default)s)")
+    pr.add_argument("--output-dir", default=None, help="where to write (default: DSPARK_PROFILES, else the user's profile folder, "
+                        "~/.local/share/dspark_edge/profiles)")
+    pr.add_argument("--json", action="store_true", help="print the profile as JSON")
+
+
+def cmd_profile(args) -> int:
+    from pathlib import Path
+
+    from ..profile import measure_profile, save_profile
+    from ..strict_json import to_json_dict
+
+    from ..errors import ConfigError
+
+    try:
+        contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
+    except ValueError:
+        raise ConfigError(f"--contexts {args.contexts!r}: expected comma-separated integers, e.g. 64,512") from None
+    if not contexts or min(contexts) < 1 or args.repeats < 1:
+        raise ConfigError("--contexts needs positive depths and --repeats must be at least 1")
+    if args.output_dir:
+        from ..paths import output_dir
+
+        output_dir(args.output_dir, "profile folder")  # before measuring, not after
+    prof = measure_profile(args.engine, contexts=contexts, reps=args.repeats,
+                           progress=lambda m: print(f"[profile] {m}", file=sys.stderr, flush=True))
+    path = save_profile(prof, Path(args.output_dir) if args.output_dir else None)
+    if args.json:
+        print(json.dumps(to_json_dict(prof), indent=1))
+    print(f"[profile] wrote {path} (device {prof.device_key}; max temp {prof.max_temp_c}, "
+          f"other load {prof.cpu_other_percent:.0f}%, throttled {prof.throttled})", file=sys.stderr)
+    return 0
+
+
+# The library's errors name its parameters; on the command line the fix is a flag.
