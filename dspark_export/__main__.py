@@ -198,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if not sys.stderr.isatty():
+        # The libraries' progress bars (tqdm) redraw with carriage returns: in a log file they are
+        # noise. The exporter's own progress lines ("[k/n] …") stay.
+        import os
+
+        os.environ.setdefault("TQDM_DISABLE", "1")
     from .target import ExportOptions, export_target
 
     progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

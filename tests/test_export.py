@@ -153,3 +153,13 @@ def test_draft_with_another_tokenizer_rejected_at_export(tmp_path, tiny_hf, tiny
         export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32",), widths=(1,),
                                     role="draft_model", keep_layers=1, target_engine=other))
     assert not out.exists() and not list(tmp_path.glob(".draft.*"))
+
+
+def test_export_logs_carry_no_progress_bar_redraws(tiny_hf, tmp_path):
+    """Into a file or pipe, the export says its steps one line each: no carriage-return redraws
+    of the libraries' progress bars."""
+    p = subprocess.run([sys.executable, "-m", "export", "target", "--source", str(tiny_hf), "--output",
+                        str(tmp_path / "engine"), "--precisions", "fp32", "--widths", "1,2", "--no-validate"],
+                       cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "[1/" in p.stderr and "\r" not in p.stderr
