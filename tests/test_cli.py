@@ -205,7 +205,10 @@ def test_generate_writes_trace_metrics_and_plot(tiny_engine, tmp_path):
     text = prom.read_text()
     assert f"dspark_edge_draft_n_total {float(out['stats']['draft_n'])}" in text
     assert f"dspark_edge_generation_tokens_total {float(out['stats']['new_tokens'])}" in text
-    assert plot_metadata(png)["rounds"] == len(rounds)
+    meta = plot_metadata(png)
+    assert meta["rounds"] == len(rounds)
+    assert meta["title"] == "hf · target fp32 · drafter ngram"  # what was decoded, not just "timeline"
+    assert "other processes' cpu %" in meta["series"]
     q = run("plot", str(trace), str(tmp_path / "again.png"), "--json")
     assert q.returncode == 0, q.stderr
     assert json.loads(q.stdout)["rounds"] == len(rounds)

@@ -161,6 +161,8 @@ class Outputs:
 
         check_outputs(args)
         self.args, self.rounds, self.error = args, [], None
+        self.title = (f"{pipe.manifest.model.name} · target {pipe.target.precision} · drafter "
+                      f"{pipe.drafter.name if pipe.drafter is not None else 'none'}")
         self.trace = TraceWriter(args.trace, label=f"{args.command} {args.engine}") if args.trace else None
         self.prom = PrometheusMetrics() if args.prometheus else None
         if args.trace or args.plot or args.prometheus:
@@ -197,7 +199,7 @@ class Outputs:
     def _plot(self) -> None:
         from ..plots import plot_timeline
 
-        drawn = plot_timeline(self.rounds, self.args.plot)
+        drawn = plot_timeline(self.rounds, self.args.plot, title=self.title)
         print(f"[plot] {self.args.plot}: {', '.join(drawn)}", file=sys.stderr)
 
     def close(self) -> None:
