@@ -44,47 +44,40 @@ class WidthPolicy(Protocol):
         verdict (None: no drafting), and how many of the verified drafts were accepted."""
 
 
-class FixedLength:
-    """Verify ``k`` drafts whenever the drafter gives them (fewer when it gives fewer)."""
+class _Unscheduled:
+    """A policy without a cost model: always drafts, learns nothing, never short of memory."""
 
     memory_low = False
+
+    def hints(self):
+        return None, 0.0
+
+    def wants_draft(self, snap: Snapshot | None) -> bool:
+        return True
+
+    def learn(self, width, verify_ms, round_ms, confidence, accepted, shift) -> None:
+        return None
+
+
+class FixedLength(_Unscheduled):
+    """Verify ``k`` drafts whenever the drafter gives them (fewer when it gives fewer)."""
 
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def hints(self):
-        return None, 0.0
-
-    def wants_draft(self, snap: Snapshot | None) -> bool:
-        return True
-
     def choose(self, confidence, snap, shift, source, draft_ms) -> tuple[int, Decision | None]:
         return min(self.k, int(confidence.shape[0])), None
 
-    def learn(self, width, verify_ms, round_ms, confidence, accepted, shift) -> None:
-        return None
 
-
-class SurvivalCut:
+class SurvivalCut(_Unscheduled):
     """Keep draft j while prod(c_1..c_{j-1}) >= ``min_survival`` (draft 1 always)."""
-
-    memory_low = False
 
     def __init__(self, min_survival: float) -> None:
         self.min_survival = min_survival
 
-    def hints(self):
-        return None, 0.0
-
-    def wants_draft(self, snap: Snapshot | None) -> bool:
-        return True
-
     def choose(self, confidence, snap, shift, source, draft_ms) -> tuple[int, Decision | None]:
         k = int(confidence.shape[0])
         return (survival_cut(confidence, self.min_survival) if k > 1 else k), None
-
-    def learn(self, width, verify_ms, round_ms, confidence, accepted, shift) -> None:
-        return None
 
 
 class Scheduled:
