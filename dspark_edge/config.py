@@ -98,44 +98,34 @@ class GenerationConfig:
     special_in_content: bool = False  # True: special-token strings in chat content are control tokens
 
     def __post_init__(self) -> None:
+        import numpy as np
+
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if not isinstance(self.stop, (tuple, list)) or not isinstance(self.stop_token_ids, (tuple, list)):
             raise ConfigError(f"stop and stop_token_ids must be lists, got {self.stop!r} and {self.stop_token_ids!r}")
-        import numpy as np
-
+        object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) if isinstance(t, np.integer) else t
                                                          for t in self.stop_token_ids))
-        check_field_types(self)
-        if not isinstance(self.min_survival, (int, float)) or not 0.0 <= self.min_survival <= 1.0:
+        check_field_types(self)  # the types (finite numbers, the Literal fields' values); the ranges follow
+        if not 0.0 <= self.min_survival <= 1.0:
             raise ConfigError(f"min_survival must be in [0, 1], got {self.min_survival!r}")
-        if self.draft_tokens is not None and (isinstance(self.draft_tokens, bool)
-                                              or not isinstance(self.draft_tokens, int) or self.draft_tokens < 0):
+        if self.draft_tokens is not None and self.draft_tokens < 0:
             raise ConfigError(f"draft_tokens must be an integer >= 0 or None, got {self.draft_tokens!r}")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 0:
+        if self.max_new_tokens < 0:
             raise ConfigError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
+        if self.temperature < 0:
             raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and self.seed < 0:
             raise ConfigError(f"seed must be a non-negative integer or None, got {self.seed!r}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ConfigError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.sampling not in ("rejection", "coupled"):
-            raise ConfigError(f"sampling must be 'rejection' or 'coupled', got {self.sampling!r}")
-        if self.context_policy not in ("error", "truncate"):
-            raise ConfigError(f"context_policy must be 'error' or 'truncate', got {self.context_policy!r}")
 
     @property
     def greedy(self) -> bool:

@@ -29,6 +29,15 @@ Backend = Literal["onnxruntime", "tensorrt"]
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
 
 
+def check_relative_path(path: str) -> None:
+    """A ValueError unless ``path`` is a relative, '/'-separated path that stays inside its
+    folder (no absolute path, drive, backslash, NUL, empty, '.' or '..' part)."""
+    parts = path.split("/")
+    if (not path or path.startswith("/") or "\\" in path or "\x00" in path
+            or any(part in ("", ".", "..") for part in parts) or ":" in parts[0]):
+        raise ValueError(f"file path {path!r} must be a relative '/'-separated path inside the engine folder")
+
+
 @dataclass(frozen=True)
 class FileEntry:
     path: str  # relative to the engine folder, "/"-separated
@@ -36,10 +45,7 @@ class FileEntry:
     size: int
 
     def __post_init__(self) -> None:
-        parts = self.path.split("/")
-        if (not self.path or self.path.startswith("/") or "\\" in self.path or "\x00" in self.path
-                or any(part in ("", ".", "..") for part in parts) or ":" in parts[0]):
-            raise ValueError(f"file path {self.path!r} must be a relative '/'-separated path inside the engine folder")
+        check_relative_path(self.path)
         if len(self.sha256) != 64:
             raise ValueError(f"sha256 of {self.path!r} must be 64 hex digits")
 
@@ -366,7 +372,7 @@ def engine_path(engine_dir: str | os.PathLike, rel: str) -> Path:
     not make the runtime read a file elsewhere, a device or a FIFO."""
     engine_dir = Path(engine_dir)
     try:
-        FileEntry(rel, "0" * 64, 0)
+        check_relative_path(rel)
     except ValueError as exc:
         raise EngineError(f"{engine_dir}: {exc}; re-export the engine folder") from None
     path = engine_dir / rel
@@ -380,16 +386,17 @@ def engine_path(engine_dir: str | os.PathLike, rel: str) -> Path:
     return path
 
 
-def read_bounded(path: Path, max_bytes: int, error: type[Exception] = EngineError) -> bytes:
-    """The bytes of ``path``, refused (unread past the limit) when it holds more than ``max_bytes``."""
+def read_bounded(path: Path, max_bytes: int, error: type[Exception] = EngineError,
+                 fix: str = "re-export the engine folder") -> bytes:
+    """The bytes of ``path``, refused (unread past the limit) when it holds more than ``max_bytes``;
+    ``fix`` ends the error's message."""
     try:
         with open(path, "rb") as f:
             data = f.read(max_bytes + 1)
     except OSError as exc:
-        raise error(f"cannot read {path} ({exc.strerror or exc}); check its permissions or re-export it") from None
+        raise error(f"cannot read {path} ({exc.strerror or exc}); check its permissions, or {fix}") from None
     if len(data) > max_bytes:
-        raise error(f"{path} is larger than {max_bytes} bytes, far more than a file of its kind needs; "
-                    "re-export the engine folder")
+        raise error(f"{path} is larger than {max_bytes} bytes, far more than a file of its kind needs; {fix}")
     return data
 
 
@@ -404,7 +411,7 @@ def read_engine_file(manifest: "Manifest", engine_dir: str | os.PathLike, rel: s
     path = engine_path(engine_dir, rel)
     if not path.is_file():
         raise EngineError(f"{path} is missing (listed in {MANIFEST_NAME}); re-export the engine folder")
-    data = read_bounded(path, max(max_bytes, 0))
+    data = read_bounded(path, max_bytes)
     if len(data) != entry.size:
         raise EngineError(f"{path} has {len(data)} bytes but {MANIFEST_NAME} records {entry.size}: "
                           "the file is truncated or was replaced; re-export the engine folder")
@@ -452,6 +459,6 @@ def verify_role_files(manifest: Manifest, engine_dir: str | os.PathLike, role: s
     """Check the graph files one role/precision uses (with their external data) and the tokenizer."""
     graphs = {v.file for v in manifest.variants_for(role, precision)}
     paths = [f.path for f in manifest.files
-             if f.path in graphs or f.path in (manifest.tokenizer.file, manifest.tokenizer.chat_template_file)
+             if f.path in graphs or f.path == manifest.tokenizer.file
              or any(f.path.startswith(g + ".") for g in graphs)]
     verify_files(manifest, engine_dir, paths, check_hashes=check_hashes)

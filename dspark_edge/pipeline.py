@@ -103,7 +103,7 @@ def _read_template(path: Path) -> str:
     if not path.is_file():
         raise ConfigError(f"chat template {path} does not exist or is not a file")
     try:
-        return read_bounded(path, MAX_TEMPLATE_BYTES, ConfigError).decode("utf-8")
+        return read_bounded(path, MAX_TEMPLATE_BYTES, ConfigError, "give another template").decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"chat template {path} is not UTF-8 text (byte {exc.start})") from None
 

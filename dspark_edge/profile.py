@@ -167,11 +167,10 @@ def _time(fn, warmup: int, reps: int) -> tuple[float, float]:
 def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512), warmup: int = 3, reps: int = 9,
                     progress=None) -> DeviceProfile:
     from . import __version__
+    from .backends import BackendOptions
     from .decoder import DecoderModel
     from .manifest import read_manifest
     from .telemetry import SystemReader
-
-    from .backends import BackendOptions
 
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
@@ -333,13 +332,12 @@ def save_profile(profile: DeviceProfile, folder: Path | None = None) -> Path:
 
 
 def read_profile(path: Path) -> DeviceProfile:
+    from .manifest import read_bounded
+
+    raw = read_bounded(path, MAX_PROFILE_BYTES, ConfigError, "re-run `python -m dspark_edge profile`")
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_PROFILE_BYTES + 1)
-        if len(raw) > MAX_PROFILE_BYTES:
-            raise ValueError(f"larger than {MAX_PROFILE_BYTES} bytes")
         data = json.loads(raw.decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:  # JSON and UTF-8 errors are ValueErrors
+    except (ValueError, RecursionError) as exc:  # JSON and UTF-8 errors are ValueErrors
         raise ConfigError(f"{path}: not a readable profile ({type(exc).__name__}: {str(exc)[:160]}); re-run "
                           "`python -m dspark_edge profile`") from None
     return from_json_dict(DeviceProfile, data, str(path), error=ConfigError)
@@ -364,7 +362,8 @@ def _say_missing(folders: list[Path], key: str) -> None:
 
 def load_profile(engine_dir: str | Path, folder: Path | None = None) -> tuple[DeviceProfile | None, str]:
     """This device's profile for ``engine_dir`` and a status: "ok", "missing", "stale" (the engine
-    changed since), or "throttled" (measured while the device was throttling)."""
+    changed since), "throttled" (measured while the device was throttling), or "corrupt" (not
+    readable, or a link out of its folder: ignored with a warning)."""
     key, _ = device_identity()
     folders = [folder] if folder is not None else profile_dirs()
     found = [f for f in folders if (f / f"{key}.json").is_file()]

@@ -50,35 +50,38 @@ def remove_stale_partials(output: Path) -> None:
 
 
 @contextlib.contextmanager
-def staging(output: Path) -> Iterator[Path]:
+def _sibling(output: Path, kind: str) -> Iterator[Path]:
+    """A fresh ``.<name>.<kind>-<pid>`` folder beside ``output``, removed when the block ends."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(output)
-    stage = output.parent / f".{output.name}.partial-{os.getpid()}"
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir()
-    try:
-        yield stage
-    except OSError as exc:  # disk full, quota, permissions: say so, keep what was there
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise ExportError(f"no space left on the device holding {output.parent} ({exc}): free some space or "
-                              f"write elsewhere; nothing was written and {output} is unchanged") from exc
-        raise ExportError(f"the export failed ({exc}); nothing was written and {output} is unchanged") from exc
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def scratch(output: Path) -> Iterator[Path]:
-    """A scratch folder beside ``output`` for the export's intermediate files, removed when the
-    export ends (and by the next export if this process is killed)."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    path = output.parent / f".{output.name}.scratch-{os.getpid()}"
+    path = output.parent / f".{output.name}.{kind}-{os.getpid()}"
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir()
     try:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staging(output: Path) -> Iterator[Path]:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(output)
+    with _sibling(output, "partial") as stage:
+        try:
+            yield stage
+        except OSError as exc:  # disk full, quota, permissions: say so, keep what was there
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ExportError(f"no space left on the device holding {output.parent} ({exc}): free some space "
+                                  f"or write elsewhere; nothing was written and {output} is unchanged") from exc
+            raise ExportError(f"the export failed ({exc}); nothing was written and {output} is unchanged") from exc
+
+
+@contextlib.contextmanager
+def scratch(output: Path) -> Iterator[Path]:
+    """A scratch folder beside ``output`` for the export's intermediate files, removed when the
+    export ends (and by the next export if this process is killed)."""
+    with _sibling(output, "scratch") as path:
+        yield path
 
 
 def publish(stage: Path, output: Path) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 import dspark_edge
 from dspark_edge.cli.errors import exit_code
 from dspark_edge.metrics import TraceWriter
+from dspark_edge.paths import output_file
 from dspark_edge.drafters import spec as drafter_spec
 from dspark_edge.drafters.spec import own_model
 from dspark_edge.tokenizer import IncrementalDecoder
@@ -293,8 +294,8 @@ def main() -> int:
     trace = None
     try:
         for option, path in (("--plot", args.plot), ("--trace", args.trace)):
-            if path and not Path(path).resolve().parent.is_dir():
-                raise dspark_edge.ConfigError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist")
+            if path:
+                output_file(path, option)  # before the engine loads
         manifest = dspark_edge.read_manifest(args.engine)
         providers = tuple(p for p in args.providers.split(",") if p)
         drafter = args.drafter or "auto"

@@ -85,11 +85,11 @@ def cmd_bench(args) -> int:
                           f"of {pipe.target.capacity} tokens; give --depth at most {pipe.target.capacity - max(widths)} "
                           "or a larger --max-context")
     listed = [w - 1 for w in widths if w > 1]
-    if asked_ks is not None and set(asked_ks) - set(listed):
+    missing = sorted(set(asked_ks or ()) - set(listed))
+    if missing:
         raise ConfigError(f"--draft-tokens {args.draft_tokens}: this engine verifies {listed} drafts per round "
-                          f"(its widths {list(widths)} minus the anchor); "
-                          f"{sorted(set(asked_ks) - set(listed))} {'is' if len(set(asked_ks) - set(listed)) == 1 else 'are'} "
-                          "not among them")
+                          f"(its widths {list(widths)} minus the anchor); {missing} "
+                          f"{'is' if len(missing) == 1 else 'are'} not among them")
     bar = Progress("bench", len(prompts) * args.passes)
 
     def progress(done, total, row):

@@ -152,14 +152,14 @@ def check_outputs(args) -> None:
 
 
 class Outputs:
-    """The --trace / --prometheus / --plot outputs of generate and chat, as one pipeline observer.
+    """The --trace / --prometheus / --plot outputs of generate and chat (their paths checked by
+    ``check_outputs`` before loading), as one pipeline observer.
     A write that fails (disk full) is kept in ``error`` and stops those outputs; ``close()``
     raises it, so the command ends with exit 2 after the answer it printed."""
 
     def __init__(self, pipe, args) -> None:
         from ..metrics import PrometheusMetrics, TraceWriter
 
-        check_outputs(args)
         self.args, self.rounds, self.error = args, [], None
         self.title = (f"{pipe.manifest.model.name} · target {pipe.target.precision} · drafter "
                       f"{pipe.drafter.name if pipe.drafter is not None else 'none'}")
