@@ -9,6 +9,8 @@
     python -m export ngram-table --target engines/smollm2-135m --from drafters/smollm2-135m-ngram.npz
     python -m export ngram-table --target engines/smollm2-135m --answers drafters/smollm2-135m-answers.npz
     python -m export answers --target engines/smollm2-135m --work runs/drafter --output answers.npz
+    python -m export data --target engines/smollm2-135m --work runs/data --answers 20000 \
+        --output drafters/smollm2-135m-answers.npz
     python -m export target --source default --graph portable --precisions fp32,fp16,int8 \
         --output engines/smollm2-135m-portable
     python -m export trt --engine engines/smollm2-135m-portable      (NVIDIA GPU + TensorRT)
@@ -159,6 +161,29 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--output", type=Path, required=True, help="file to write (.npz)")
     an.add_argument("-v", "--verbose", action="store_true", help="log details")
 
+    da = sub.add_parser("data", help="generate the target's own answers in batches (templated, copy and "
+                                     "self-written prompts), resumable, for training drafters",
+                        description="Answer prompts with the target's FP32 graph in batches (onnxruntime-genai): the "
+                                    "project's templated training prompts, copy tasks over installed documents, then "
+                                    "user messages the target writes itself (Magpie), filtered and deduplicated, "
+                                    "none near a benchmark prompt. Resumable: run the same command again, or with "
+                                    "a larger --answers, to go on. --output packs everything answered into one "
+                                    "answers file that train-drafter --answers and ngram-table --answers read.")
+    da.add_argument("--target", type=Path, required=True, help="the target's engine folder (with an fp32 target)")
+    da.add_argument("--work", type=Path, required=True, help="work folder: prompts and answer shards (resumable)")
+    da.add_argument("--answers", type=int, default=2000, help="prompts to have answered in all (default: %(default)s)")
+    da.add_argument("--output", type=Path, default=None,
+                    help="pack every answer of the work folder into this answers file (.npz) at the end")
+    da.add_argument("--prompts", type=int, default=None,
+                    help="templated training prompts first (default: all of them)")
+    da.add_argument("--copy-prompts", type=int, default=512,
+                    help="copy tasks among the prompts (default: %(default)s)")
+    da.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: %(default)s)")
+    da.add_argument("--batch", type=int, default=32, help="prompts per batched pass (default: %(default)s)")
+    da.add_argument("--threads", type=int, default=None, help="onnxruntime threads (default: its own choice)")
+    da.add_argument("--seed", type=int, default=0, help="prompt order and sampling seed (default: %(default)s)")
+    da.add_argument("-v", "--verbose", action="store_true", help="log details")
+
     rt = sub.add_parser("trt", help="build TensorRT engines from a portable engine folder (NVIDIA GPU + TensorRT)",
                         description="Build one TensorRT engine per precision from the folder's portable ONNX graphs "
                                     "(FP16 from the FP16 graph, INT8 from the QDQ graph): an optimization profile "
@@ -246,6 +271,14 @@ def main(argv: list[str] | None = None) -> int:
 
             pack_answers(args.target, args.work, args.output, progress)
             return 0
+        if args.command == "data":
+            from .data_engine import DataOptions, run
+
+            run(DataOptions(target_engine=args.target, work=args.work, answers=args.answers, output=args.output,
+                            prompts=args.prompts,
+                            copy_prompts=args.copy_prompts, max_new_tokens=args.max_new_tokens, batch=args.batch,
+                            threads=args.threads, seed=args.seed), progress)
+            return 0
         if args.command == "drafter":
             from .drafter.install import install_drafter
 
@@ -266,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: nothing was written" if args.command != "train-drafter" else
+        print("interrupted: nothing was written" if args.command not in ("train-drafter", "data") else
               "interrupted: run the same command again to resume", file=sys.stderr)
         return 130
     return 0

@@ -31,7 +31,7 @@ from dspark_edge.manifest import Manifest, read_manifest
 from .atomic import export_command, replacing_file
 
 FORMAT = 1
-KINDS = ("prompt", "copy")  # a training prompt's answer; a copy task's answer
+KINDS = ("prompt", "copy", "magpie")  # a training prompt's answer; a copy task's; a self-written prompt's (data_engine)
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def pack_answers(target: Path, work: Path, output: Path, progress=print) -> Path
     from .drafter.data import shard_sequences, written_shards
 
     manifest = read_manifest(target)
-    groups = [written_shards(work / "data"), written_shards(work / "copy")]  # in the order of KINDS
+    groups = [written_shards(work / "data"), written_shards(work / "copy")]  # KINDS[0], KINDS[1]
     if not groups[0]:
         raise ExportError(f"{work / 'data'} holds no answer shards; write them with `python -m export train-drafter "
                           f"--target {target} --output DIR --work {work} --steps 1`")

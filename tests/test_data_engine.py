@@ -1,0 +1,147 @@
+"""The data engine (`python -m export data`): batched answers equal the runtime's own greedy
+answers, work folders resume and refuse other inputs, self-written messages are filtered."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+import dspark_edge
+from dspark_edge.errors import ExportError
+from dspark_edge.manifest import read_manifest
+from dspark_edge.tokenizer import Tokenizer
+from dspark_export.answers import KINDS, load_answers
+from dspark_export.data_engine import BatchedTarget, DataOptions, MessageFilter, read_prompts, run, written
+
+MESSAGES = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "user", "content": "tell me a long story about a cat and a dog and a bird"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}],
+    [{"role": "user", "content": "one two three four five six seven"}],
+    [{"role": "user", "content": "x"}],
+]
+
+
+def _runtime_answers(engine, messages, max_new):
+    with dspark_edge.load(str(engine), precision="fp32", drafter="none") as pipe:
+        return [list(pipe.generate(m, max_new_tokens=max_new).token_ids) for m in messages]
+
+
+def _batched_answers(engine, messages, max_new):
+    manifest = read_manifest(engine)
+    tok = Tokenizer.from_engine(engine, manifest)
+    with BatchedTarget(engine, manifest) as target:
+        return target.greedy([tok.encode_chat(m) for m in messages], max_new)
+
+
+def test_batched_answers_equal_the_runtimes(tiny_engine):
+    # Prompts of five lengths in one batch: each row's answer is the one the runtime gives alone.
+    assert _batched_answers(tiny_engine, MESSAGES, 24) == _runtime_answers(tiny_engine, MESSAGES, 24)
+
+
+@pytest.mark.slow
+def test_batched_answers_equal_the_runtimes_on_the_default(default_engine):
+    messages = [[{"role": "user", "content": c}] for c in (
+        "What is a volcano?", "Write a haiku about tea.",
+        "Explain in detail how a bicycle gear system works, step by step, for a child.", "Hello")]
+    batched = _batched_answers(default_engine, messages, 48)
+    assert batched == _runtime_answers(default_engine, messages, 48)
+    assert any(a[-1] == 2 for a in batched) or all(len(a) == 48 for a in batched)
+
+
+def _digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_run_resumes_and_packs(tiny_engine, tmp_path):
+    work, out = tmp_path / "work", tmp_path / "answers.npz"
+    base = dict(target_engine=tiny_engine, work=work, prompts=12, copy_prompts=0, max_new_tokens=8, batch=3,
+                per_shard=4)
+    stats = run(DataOptions(answers=8, **base), progress=lambda s: None)
+    shards = written(work)
+    assert len(shards) == 2 and stats["answered_before"] == 0
+    before = [_digest(p) for p in shards]
+    # A kill mid-append leaves a cut line: the next start drops it and goes on.
+    with open(work / "prompts.jsonl", "ab") as f:
+        f.write(b'{"kind": "prompt", "mess')
+    stats = run(DataOptions(answers=12, output=out, **base), progress=lambda s: None)
+    shards = written(work)
+    assert stats["answered_before"] == 8 and len(shards) == 3
+    assert [_digest(p) for p in shards[:2]] == before  # the answered shards are not redone
+    records = read_prompts(work / "prompts.jsonl")
+    assert len(records) == 12 and all(r["kind"] == "prompt" for r in records)
+    manifest = read_manifest(tiny_engine)
+    answers = load_answers(out, manifest, 8)
+    assert len(answers) == 12 and set(answers.kinds.tolist()) == {KINDS.index("prompt")}
+    tok = Tokenizer.from_engine(tiny_engine, manifest)
+    prompt, answer = answers.pair(5)
+    assert prompt == tok.encode_chat(records[5]["messages"])
+    assert answer == _runtime_answers(tiny_engine, [records[5]["messages"]], 8)[0]
+
+
+def test_work_folder_of_other_options_is_refused(tiny_engine, tmp_path):
+    work = tmp_path / "work"
+    run(DataOptions(target_engine=tiny_engine, work=work, answers=2, prompts=2, copy_prompts=0, max_new_tokens=4),
+        progress=lambda s: None)
+    listing = sorted(p.name for p in work.rglob("*"))
+    with pytest.raises(ExportError, match="max_new_tokens differ"):
+        run(DataOptions(target_engine=tiny_engine, work=work, answers=4, prompts=2, copy_prompts=0, max_new_tokens=5),
+            progress=lambda s: None)
+    assert sorted(p.name for p in work.rglob("*")) == listing
+
+
+def test_self_written_messages_that_never_end_stop_the_run(tiny_engine, tmp_path):
+    # A random model never ends a user message: every batch is dropped, and the run stops with
+    # an error naming the fix instead of drawing forever; what was answered is kept.
+    work = tmp_path / "work"
+    with pytest.raises(ExportError, match="all dropped.*unfinished"):
+        run(DataOptions(target_engine=tiny_engine, work=work, answers=6, prompts=2, copy_prompts=0,
+                        max_new_tokens=4, per_shard=2, batch=4, magpie_tokens=4), progress=lambda s: None)
+    assert len(written(work)) == 1
+
+
+def test_message_filter():
+    f = MessageFilter(held_out=["Write a Python function that checks whether a string is a palindrome"],
+                      seen=["What is the moon made of?"])
+    assert f.keep("How do I bake sourdough bread at home?", ended=True)
+    assert not f.keep("How do I bake sourdough bread at home", ended=False)
+    assert not f.keep("  how do I   BAKE sourdough bread at home?  ", ended=True)  # folded duplicate
+    assert not f.keep("what is the moon made of?", ended=True)  # seen in an earlier run
+    assert not f.keep("Hi there", ended=True)
+    assert not f.keep(" ".join(["word"] * 121), ended=True)
+    assert not f.keep("Tell me <|im_start|> something please", ended=True)
+    assert not f.keep("Какой сегодня день недели, скажи?", ended=True)
+    assert not f.keep("Write a Python function that checks whether a string is a palindrome quickly", ended=True)
+    assert f.dropped == {"unfinished": 1, "duplicate": 2, "length": 2, "special text": 1, "not plain text": 1,
+                         "near a benchmark prompt": 1}
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("answers", 0, "--answers must be at least 1"), ("batch", 0, "--batch"), ("copy_prompts", -1, "--copy-prompts"),
+    ("temperature", 0.0, "--temperature"), ("top_p", 1.5, "--top-p")])
+def test_options_are_checked(tiny_engine, tmp_path, field, value, match):
+    with pytest.raises(ExportError, match=match):
+        DataOptions(target_engine=tiny_engine, work=tmp_path / "w", **{field: value})
+    assert not (tmp_path / "w").exists()
+
+
+def test_not_an_engine_folder(tmp_path):
+    with pytest.raises(ExportError, match="not an engine folder"):
+        DataOptions(target_engine=tmp_path, work=tmp_path / "w")
+
+
+def test_cli_runs_and_reports(tiny_engine, tmp_path, capsys):
+    from dspark_export.__main__ import main
+
+    out = tmp_path / "a.npz"
+    assert main(["data", "--target", str(tiny_engine), "--work", str(tmp_path / "w"), "--answers", "3",
+                 "--prompts", "3", "--copy-prompts", "0", "--max-new-tokens", "4", "--output", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "3/3 answered" in err and f"wrote {out}: 3 answers" in err
+    meta = json.loads(str(np.load(out)["meta"]))
+    assert meta["answers"] == {"prompt": 3, "copy": 0, "magpie": 0} and meta["max_new_tokens"] == 4
+    assert main(["data", "--target", str(tiny_engine), "--work", str(tmp_path / "w"), "--batch", "0"]) == 2
+    assert "--batch must be at least 1" in capsys.readouterr().err
