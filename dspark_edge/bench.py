@@ -106,14 +106,17 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
     warm = prompts[0].get("messages") or prompts[0]["prompt"]
     order_rng = np.random.default_rng(seed)
 
-    initial, own = pipe.scheduler, pipe.drafter  # the scheduler is None when loaded without one
-    schedulers = {} if initial is None else {id(d): copy.deepcopy(initial) for _, d, _ in variants if d is not None}
+    # One twin per drafter (same target session, own KV cache): the caller's pipeline keeps its
+    # drafter and scheduler, and each drafter's rounds tune a scheduler of its own.
+    initial = pipe.scheduler  # None when loaded without one
+    twins: dict[int, Pipeline] = {}
+    for _, drafter, _ in variants:
+        if id(drafter) not in twins:
+            sched = None if initial is None or drafter is None else copy.deepcopy(initial)
+            twins[id(drafter)] = pipe.twin(drafter, sched)
 
     def run(drafter, prompt, overrides, run_seed):
-        pipe.drafter = drafter
-        if id(drafter) in schedulers:
-            pipe.scheduler = schedulers[id(drafter)]
-        return pipe.generate(prompt, base_cfg, seed=run_seed, **overrides)
+        return twins[id(drafter)].generate(prompt, base_cfg, seed=run_seed, **overrides)
 
     for _, drafter, overrides in variants:
         run(drafter, warm, overrides, seed)
@@ -174,12 +177,13 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
         failures = [r["drafter_disabled"] for r in rs if r["drafter_disabled"]]
         if failures:
             summary[name]["drafter_failure"] = failures[-1]
-    pipe.drafter, pipe.scheduler = own, initial
     for name, drafter, overrides in variants:
-        if id(drafter) in schedulers and "draft_tokens" not in overrides:
-            sched = schedulers[id(drafter)]
+        sched = twins[id(drafter)].scheduler
+        if sched is not None and "draft_tokens" not in overrides:
             summary[name]["scheduler"] = {"draft_ms": round(sched.costs.draft_ms, 3),
                                           "confidence_offset": round(sched.offset, 3), "gated": sched.gated}
+    for twin in twins.values():
+        twin.close()
     report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "passes": passes,
               "decoding": "greedy" if base_cfg.temperature == 0.0 else {
                   "temperature": base_cfg.temperature, "top_k": base_cfg.top_k, "top_p": base_cfg.top_p,

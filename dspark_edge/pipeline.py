@@ -177,6 +177,7 @@ class Pipeline:
         self.closed = False
         self.scheduler: Scheduler | None = None
         self._sampler: Sampler | None = None
+        self._telemetry_of: Pipeline | None = None  # a twin reads the telemetry of the pipeline it came from
         self._make_drafter = None
         self._unloaded = False  # the drafter was released under memory pressure
         self.profile_status = "unused"
@@ -208,7 +209,9 @@ class Pipeline:
     def telemetry(self) -> Snapshot | None:
         """The latest background telemetry reading (None when nothing samples it: see
         ``start_telemetry``)."""
-        return None if self._sampler is None else self._sampler.latest
+        if self._sampler is None:
+            return None if self._telemetry_of is None else self._telemetry_of.telemetry()
+        return self._sampler.latest
 
     def start_telemetry(self, reader: Reader | None = None) -> None:
         """Sample telemetry in the background even without the scheduler (for traces and
@@ -242,13 +245,20 @@ class Pipeline:
                 log.warning("observer %r failed in %s (%s: %s); removed", obs, method, type(exc).__name__, exc)
                 self.observers.remove(obs)
 
-    def twin(self) -> "Pipeline":
-        """A pipeline over the same loaded target and tokenizer with its own KV cache and no
-        drafter: plain decoding next to this one without loading the model twice. The two may
-        take turns in one thread (as the demo's race does), not run in two threads at once:
-        they share the session's output buffers."""
+    def twin(self, drafter=None, scheduler: Scheduler | None = None) -> "Pipeline":
+        """A pipeline over the same loaded target and tokenizer with its own KV cache, and
+        ``drafter`` (None: plain decoding) with ``scheduler`` (None: fixed widths): another
+        decoding mode next to this one without loading the model twice. It reads this
+        pipeline's telemetry (closing it leaves this one's running). The two may take turns in
+        one thread (as the demo's race and ``bench_compare`` do), not run in two threads at
+        once: they share the session's output buffers."""
         self._check_open()
-        return Pipeline(self.manifest, self.engine_dir, self.target, self.tokenizer, None, shared=self._shared)
+        if drafter is not None:
+            contract(drafter)  # a drafter lacking a method is refused here, not mid-round
+        twin = Pipeline(self.manifest, self.engine_dir, self.target, self.tokenizer, drafter, shared=self._shared)
+        twin.scheduler = scheduler
+        twin._telemetry_of = self
+        return twin
 
     def close(self) -> None:
         """Stop the telemetry thread and end this pipeline: a stream still running ends after its

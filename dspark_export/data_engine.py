@@ -125,9 +125,9 @@ class BatchedTarget:
             if f.name.startswith(graph.name):  # model.onnx and its external weights
                 os.symlink(f.resolve(), self._dir / f.name)
         io = manifest.io
-        session = {"log_id": "dspark_export.data", "provider_options": []}
-        if threads:
-            session["intra_op_num_threads"] = int(threads)
+        # onnxruntime-genai runs one intra-op thread unless told otherwise: use every core.
+        session = {"log_id": "dspark_export.data", "provider_options": [],
+                   "intra_op_num_threads": int(threads or os.cpu_count() or 1)}
         config = {
             "model": {
                 "bos_token_id": manifest.tokenizer.bos_id if manifest.tokenizer.bos_id is not None else min(self.eos_ids),

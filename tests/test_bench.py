@@ -111,10 +111,19 @@ class _Sched:
 
 
 class _FakePipe:
-    """Records which scheduler each generation ran with."""
+    """Records which drafter and scheduler each generation ran with, through which twin."""
 
-    def __init__(self):
-        self.drafter, self.scheduler, self.calls = None, _Sched(), []
+    def __init__(self, drafter=None, scheduler=None, calls=None):
+        self.drafter, self.scheduler = drafter, _Sched() if calls is None else scheduler
+        self.calls, self.twins, self.closed = [] if calls is None else calls, [], False
+
+    def twin(self, drafter=None, scheduler=None):
+        twin = _FakePipe(drafter, scheduler, self.calls)
+        self.twins.append(twin)
+        return twin
+
+    def close(self):
+        self.closed = True
 
     def generate(self, prompt, cfg, **overrides):
         if self.drafter is not None:  # the pipeline consults its scheduler only with a drafter
@@ -126,7 +135,8 @@ class _FakePipe:
 def test_each_drafter_keeps_its_own_scheduler():
     from dspark_edge.bench import bench_compare
 
-    pipe = _FakePipe()
+    own = object()
+    pipe = _FakePipe(own)
     first = pipe.scheduler
     a, b = object(), object()
     variants = [("plain", None, {}), ("a auto", a, {}), ("a k=1", a, {"draft_tokens": 1}), ("b auto", b, {})]
@@ -136,5 +146,7 @@ def test_each_drafter_keeps_its_own_scheduler():
     assert len(used[id(a)]) == 1 and len(used[id(b)]) == 1
     assert used[id(a)] != used[id(b)] and id(first) not in used[id(a)] | used[id(b)]
     assert pipe.scheduler is first and first.rounds == 0  # the pipeline's own is left as it was
+    assert pipe.drafter is own and not any(d is own for d, _, _ in pipe.calls)  # and so is its drafter
+    assert len(pipe.twins) == 3 and all(t.closed for t in pipe.twins)  # one per drafter (plain too), closed
     assert set(report["variants"]["a auto"]["scheduler"]) == {"draft_ms", "confidence_offset", "gated"}
     assert "scheduler" not in report["variants"]["a k=1"]
