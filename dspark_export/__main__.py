@@ -114,13 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default: %(default)s)")
     tr.add_argument("-v", "--verbose", action="store_true", help="log details")
 
-    dr = sub.add_parser("drafter", help="add a trained DSpark drafter to its target's engine folder",
+    dr = sub.add_parser("drafter", help="add a DSpark drafter (trained here, or a DeepSpec checkpoint) to its target's "
+                             "engine folder",
                         description="Export a trained drafter to ONNX (block-size variants, FP32/INT8), validate "
                                     "it against PyTorch and list it in the target's manifest (atomically).")
     dr.add_argument("--target", type=Path, required=True, help="the target's engine folder")
-    dr.add_argument("--weights", type=Path, required=True, help="drafter folder from `train-drafter`")
-    dr.add_argument("--blocks", type=_int_list, default=(4, 8),
-                    help="block sizes = verify widths (drafts + 1) (default: 4,8)")
+    dr.add_argument("--weights", type=Path, required=True,
+                    help="drafter folder from `train-drafter`, or a DeepSpec DSpark checkpoint folder")
+    dr.add_argument("--blocks", type=_int_list, default=None,
+                    help="block sizes = verify widths (drafts + 1) (default: 4,8; for a DeepSpec checkpoint every "
+                         "verify width of the target up to its block_size + 1)")
     dr.add_argument("--precisions", type=_str_list, default=("fp32", "int8"),
                     help="drafter precisions: fp32, int8, fp16 (GPUs) (default: fp32,int8)")
     dr.add_argument("--source", default="default", help="the target's source (for its embeddings and LM head)")
@@ -180,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="copy tasks among the prompts (default: %(default)s)")
     da.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: %(default)s)")
     da.add_argument("--batch", type=int, default=32, help="prompts per batched pass (default: %(default)s)")
-    da.add_argument("--threads", type=int, default=None, help="onnxruntime threads (default: its own choice)")
+    da.add_argument("--threads", type=int, default=None, help="onnxruntime threads (default: one per CPU core)")
     da.add_argument("--seed", type=int, default=0, help="prompt order and sampling seed (default: %(default)s)")
     da.add_argument("-v", "--verbose", action="store_true", help="log details")
 

@@ -48,6 +48,22 @@ def real_features(target_engine: Path, manifest) -> tuple[list[int], np.ndarray]
     return ids, np.concatenate(rows).astype(np.float32)
 
 
+def _check_trained(target_engine: Path, weights: Path, manifest) -> tuple[dict, int]:
+    """(drafter.json, slots) of a drafter folder from ``train-drafter``, checked against the target."""
+    if not (weights / "drafter.json").is_file():
+        raise ExportError(f"{weights} holds no trained drafter (drafter.json) and is not a DeepSpec checkpoint "
+                          "(config.json naming Qwen3DSparkModel); train one with `python -m export train-drafter`")
+    meta = json.loads((weights / "drafter.json").read_text(encoding="utf-8"))
+    if meta["target"]["source_sha256"] != manifest.model.source_sha256:
+        raise ExportError(f"{weights} was trained against a target with source sha256 "
+                          f"{meta['target']['source_sha256'][:12]}…, but {target_engine} was exported from "
+                          f"{manifest.model.source_sha256[:12]}…; train a drafter for this target")
+    if list(meta["target"]["hidden_state_layers"]) != list(manifest.hidden_state_layers):
+        raise ExportError(f"{weights} reads target layers {meta['target']['hidden_state_layers']} but "
+                          f"{target_engine} exposes {list(manifest.hidden_state_layers)}")
+    return meta, int(meta["config"]["slots"])
+
+
 def _validate(model, graph: Path, cfg, ids: list[int], feats: np.ndarray) -> dict:
     """Incremental rounds through the ONNX graph (context appended round by round, as the
     runtime does) against PyTorch from scratch, over real features: max |Δlogit| and the share
@@ -77,54 +93,107 @@ def _validate(model, graph: Path, cfg, ids: list[int], feats: np.ndarray) -> dic
     return {"max_abs_logit_diff": worst_l, "top1_agreement": float(np.mean(top1)), "rounds": len(cuts)}
 
 
-def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] = (4, 8),
+def _deepspec_rounds(reference, model, ids: list[int], feats: np.ndarray) -> dict:
+    """The converted model's full-block rounds (PyTorch, this project's forward and sequential
+    step) against the DeepSpec reference over real features: drafts and confidences agree."""
+    import torch
+
+    from dspark_edge.drafters.dspark import sequential_step
+
+    from .onnx_export import reference_round, tables
+
+    tab = tables(model)
+    b = reference.cfg.block_size
+    cuts = list(range(min(37, len(ids) - 1), len(ids) - 1, 5))
+    same, worst = 0, 0.0
+    for cut in cuts:
+        want, conf = reference.propose(feats[:cut], int(ids[cut]))
+        u, h = reference_round(model, torch.from_numpy(feats[:cut]), int(ids[cut]), cut, b)
+        got, z = sequential_step(u, h, int(ids[cut]), tab["markov_in"], tab["markov_out"],
+                                 tab["conf_w"].astype(np.float64), float(tab["conf_b"][0]),
+                                 lambda j, logits: int(np.argmax(logits)))
+        same += int(np.array_equal(got, want))
+        worst = max(worst, float(np.abs(z - conf).max()))
+    return {"rounds": len(cuts), "drafts_identical": same, "max_abs_confidence_logit_diff": worst}
+
+
+def _load_deepspec(target_engine: Path, weights: Path, manifest):
+    from . import deepspec
+
+    cfg, tensors, model = deepspec.load(weights, manifest, target_engine)
+    digest = deepspec.fingerprint(weights)
+    slots = cfg.block_size
+    meta = {"provenance": {"weights": str(weights), "format": f"DeepSpec {deepspec.ARCHITECTURE}",
+                           "training_data": "unknown (an imported DeepSpec checkpoint)", "training_steps": "unknown",
+                           "weights_sha256": digest, "deepspec_target_layer_ids": json.dumps(list(cfg.target_layer_ids)),
+                           "mask_token_id": str(cfg.mask_token_id)},
+            "temperatures": [1.0] * slots, "biases": [0.0] * slots,
+            "calibration": {"source": "none: a DeepSpec checkpoint's confidences are used as trained "
+                                      "(T = 1, b = 0 at every slot); the scheduler's online offset still applies",
+                            "temperatures": [1.0] * slots, "biases": [0.0] * slots}}
+    return model, deepspec.Reference(cfg, tensors), digest, meta
+
+
+def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] | None = None,
                     precisions: tuple[str, ...] = PRECISIONS, source: str = "default", progress=print) -> Path:
-    from ..sources import load_source, resolve_source
-    from .build import load_drafter
+    """``weights``: a drafter folder from ``train-drafter``, or a DeepSpec checkpoint folder
+    (``deepspec.py``). ``blocks`` (verify widths = drafts + 1): None lists 4 and 8 for a drafter
+    trained here, and every verify width of the target from 2 to the checkpoint's block size + 1
+    for a DeepSpec one."""
+    from . import deepspec
     from .onnx_export import convert_fp16, export_onnx, quantize_int8, tables
 
     manifest = read_manifest(target_engine)
     bad = [p for p in precisions if p not in PRECISIONS]
     if bad or not precisions:
         raise ExportError(f"drafter precisions must be among {list(PRECISIONS)}, got {list(precisions)}")
-    if not (weights / "drafter.json").is_file():
-        raise ExportError(f"{weights} holds no trained drafter (drafter.json); train one with "
-                          "`python -m export train-drafter`")
-    meta = json.loads((weights / "drafter.json").read_text(encoding="utf-8"))
-    if meta["target"]["source_sha256"] != manifest.model.source_sha256:
-        raise ExportError(f"{weights} was trained against a target with source sha256 "
-                          f"{meta['target']['source_sha256'][:12]}…, but {target_engine} was exported from "
-                          f"{manifest.model.source_sha256[:12]}…; train a drafter for this target")
-    if list(meta["target"]["hidden_state_layers"]) != list(manifest.hidden_state_layers):
-        raise ExportError(f"{weights} reads target layers {meta['target']['hidden_state_layers']} but "
-                          f"{target_engine} exposes {list(manifest.hidden_state_layers)}")
-    slots = int(meta["config"]["slots"])
-    if not blocks or any(b < 2 or b - 1 > slots for b in blocks):
-        raise ExportError(f"block sizes must be in [2, {slots + 1}] for a drafter trained with {slots} slots, "
-                          f"got {list(blocks)}")
+    imported = deepspec.is_deepspec(weights)
+    reference = None
     target_widths = set(manifest.widths("target", manifest.precisions()[0]))
+    if imported:
+        progress(f"[1/3] reading the DeepSpec checkpoint {weights}")
+        model, reference, digest, meta = _load_deepspec(target_engine, weights, manifest)
+        slots = model.cfg.slots
+        if blocks is None:
+            blocks = tuple(sorted(w for w in target_widths if 2 <= w <= slots + 1))
+    else:
+        meta, slots = _check_trained(target_engine, weights, manifest)
+        blocks = (4, 8) if blocks is None else blocks
+    if not blocks or any(b < 2 or b - 1 > slots for b in blocks):
+        raise ExportError(f"block sizes must be in [2, {slots + 1}] for a drafter of {slots} slots, "
+                          f"got {list(blocks)}")
     missing = [b for b in blocks if b not in target_widths]
     if missing:
         raise ExportError(f"block sizes {missing} are not verify widths of {target_engine} "
                           f"({sorted(target_widths)}); a block of b drafts+anchor is verified at width b")
-    progress(f"[1/3] loading the target ({source}) and the drafter ({weights})")
-    src = resolve_source(source)
-    target, _ = load_source(src)
-    model, meta = load_drafter(weights, target)
-    del target
+    if not imported:
+        from ..sources import load_source, resolve_source
+        from .build import load_drafter
+
+        progress(f"[1/3] loading the target ({source}) and the drafter ({weights})")
+        target, _ = load_source(resolve_source(source))
+        model, meta = load_drafter(weights, target)
+        del target
+        digest = sha256_file(weights / "weights.npz")
     ids, feats = real_features(target_engine, manifest)
     cfg = model.cfg
-    name, n = f"drafter-{sha256_file(weights / 'weights.npz')[:8]}", 1
+    name, n = f"drafter-{digest[:8]}", 1
     while (target_engine / name).exists():  # never overwrite what the manifest may list
-        name, n = f"drafter-{sha256_file(weights / 'weights.npz')[:8]}-{n}", n + 1
+        name, n = f"drafter-{digest[:8]}-{n}", n + 1
     stage = target_engine / f".{name}.partial"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
     try:
         progress(f"[2/3] exporting the graph ({', '.join(precisions)}) and tables")
+        report = {}
+        if reference is not None:
+            report["deepspec"] = _deepspec_rounds(reference, model, ids, feats)
+            rep = report["deepspec"]
+            if rep["drafts_identical"] < rep["rounds"] or rep["max_abs_confidence_logit_diff"] > 1e-3:
+                raise ExportError(f"the converted drafter differs from the DeepSpec forward ({rep}); not installing it")
         (stage / "fp32").mkdir()
         export_onnx(model, stage / "fp32" / "model.onnx")
-        report = {"fp32": _validate(model, stage / "fp32" / "model.onnx", cfg, ids, feats)}
+        report["fp32"] = _validate(model, stage / "fp32" / "model.onnx", cfg, ids, feats)
         if report["fp32"]["max_abs_logit_diff"] > 1e-2:
             raise ExportError(f"the exported drafter differs from PyTorch (max |Δlogit| "
                               f"{report['fp32']['max_abs_logit_diff']:.3g}); not installing it")
@@ -140,9 +209,15 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
             shutil.rmtree(stage / "fp32")
         np.savez(stage / "tables.npz", **tables(model))
         np.save(stage / "embedding.npy", model.embed.numpy().astype(np.float16))
-        (stage / "calibration.json").write_bytes((weights / "calibration.json").read_bytes())
-        progress("[3/3] validation: " + ", ".join(f"{p} max|Δlogit| {r['max_abs_logit_diff']:.2e} top-1 "
-                                                  f"{r['top1_agreement']:.0%}" for p, r in report.items()))
+        if imported:
+            (stage / "calibration.json").write_text(json.dumps(meta["calibration"], indent=1) + "\n")
+        else:
+            (stage / "calibration.json").write_bytes((weights / "calibration.json").read_bytes())
+        progress("[3/3] validation: " + ", ".join(
+            f"{p} max|Δlogit| {r['max_abs_logit_diff']:.2e} top-1 {r['top1_agreement']:.0%}"
+            for p, r in report.items() if p != "deepspec")
+            + ("" if reference is None else f"; DeepSpec forward: drafts identical in "
+               f"{report['deepspec']['drafts_identical']}/{report['deepspec']['rounds']} rounds"))
         stage.rename(target_engine / name)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -156,16 +231,19 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
         Variant(role="drafter", width=b, precision=pr, backend="onnxruntime", file=rel(f"{pr}/model.onnx"),
                 device="gpu" if pr == "fp16" else "any")
         for pr in precisions for b in sorted(blocks)]
-    training = meta["training"]
+    if imported:
+        provenance = {**meta["provenance"], "validation": json.dumps(report)}
+    else:
+        training = meta["training"]
+        provenance = {"weights": str(weights), "training_data": training["data"],
+                      "training_steps": str(training["steps"]), "weights_sha256": digest,
+                      "validation": json.dumps(report)}
     info = DrafterInfo(kind="dspark", slots=slots, draft_vocab=cfg.draft_vocab, markov_rank=cfg.markov_rank,
                        num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                        feature_layers=tuple(cfg.feature_layers), temperatures=tuple(meta["temperatures"]),
                        biases=tuple(meta.get("biases", ())),
                        tables=rel("tables.npz"), embedding=rel("embedding.npy"),
-                       provenance={"weights": str(weights), "training_data": training["data"],
-                                   "training_steps": str(training["steps"]),
-                                   "weights_sha256": sha256_file(weights / "weights.npz"),
-                                   "validation": json.dumps(report)})
+                       provenance=provenance)
     new = dataclasses.replace(manifest, variants=tuple(variants), files=tuple(keep_files + new_files), drafter=info)
     write_manifest(new, target_engine)
     for old in old_files:

@@ -5,8 +5,9 @@ Shapes (H hidden, F = H * feature layers, γ slots, Vd draft vocabulary, r Marko
 - context:  target features [n, F] → fc → RMSNorm → C [n, H]; each layer projects C to its
   context keys/values (RoPE at the true positions 0..n-1). Computed once per committed position.
 - block:    [anchor, mask × (γ-1)] embeddings at positions n..n+γ-1 → ``layers`` transformer
-  layers (queries attend to every context position and, non-causally, to every slot) → final
-  norm → h [γ, H] → base logits U = h · head^T [γ, Vd] (the target's frozen LM head rows).
+  layers (queries attend to every context position and, non-causally, to every slot; with
+  ``qk_norm``, as in Qwen3 layers and DeepSpec checkpoints, each head's queries and keys are
+  RMS-normed before RoPE) → final norm → h [γ, H] → base logits U = h · head^T [γ, Vd] (the target's frozen LM head rows).
 - Markov:   B_k = W2 · W1[x_{k-1}] ([Vd]); x_0 is the anchor. p_k = softmax(U_k + B_k).
 - confidence: c_k = sigmoid(w · [h_k ; W1[x_{k-1}]] + b).
 
@@ -39,6 +40,8 @@ class DraftConfig:
     slots: int = 7
     draft_vocab: int = 8192
     markov_rank: int = 128
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3 layers, DeepSpec's format)
+    attention_bias: bool = False  # biases on the q/k/v/o projections
 
     @property
     def feature_dim(self) -> int:
@@ -51,7 +54,7 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DraftConfig":
-        d = dict(d)
+        d = dict(d)  # a drafter saved before qk_norm / attention_bias existed has neither
         d["feature_layers"] = tuple(d["feature_layers"])
         return cls(**d)
 
@@ -84,10 +87,14 @@ class DraftLayer(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.cfg = cfg
         self.in_norm = RMSNorm(h, cfg.rms_eps)
-        self.q = nn.Linear(h, cfg.num_heads * d, bias=False)
-        self.k = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
-        self.v = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
-        self.o = nn.Linear(cfg.num_heads * d, h, bias=False)
+        bias = cfg.attention_bias
+        self.q = nn.Linear(h, cfg.num_heads * d, bias=bias)
+        self.k = nn.Linear(h, cfg.num_kv_heads * d, bias=bias)
+        self.v = nn.Linear(h, cfg.num_kv_heads * d, bias=bias)
+        self.o = nn.Linear(cfg.num_heads * d, h, bias=bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_eps)
         self.post_norm = RMSNorm(h, cfg.rms_eps)
         self.gate = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.up = nn.Linear(h, cfg.intermediate_size, bias=False)
@@ -96,17 +103,24 @@ class DraftLayer(nn.Module):
     def context_kv(self, ctx: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ctx [B, n, H] (already normed), pos [B, n] → K, V [B, kv_heads, n, D] (K roped)."""
         b, n, _ = ctx.shape
-        k = self.k(ctx).view(b, n, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
+        k = self._norm_k(self.k(ctx).view(b, n, self.cfg.num_kv_heads, self.cfg.head_dim)).transpose(1, 2)
         v = self.v(ctx).view(b, n, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
         return rope(k, pos, self.cfg.rope_theta), v
+
+    def _norm_q(self, q: torch.Tensor) -> torch.Tensor:
+        return self.q_norm(q) if self.cfg.qk_norm else q
+
+    def _norm_k(self, k: torch.Tensor) -> torch.Tensor:
+        return self.k_norm(k) if self.cfg.qk_norm else k
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """x [B, S, H] block slots at ``pos`` [B, S]; mask [B, 1, S, n + S] bool (True = attend)."""
         cfg, (b, s, _) = self.cfg, x.shape
         y = self.in_norm(x)
-        q = rope(self.q(y).view(b, s, cfg.num_heads, cfg.head_dim).transpose(1, 2), pos, cfg.rope_theta)
-        k = rope(self.k(y).view(b, s, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), pos, cfg.rope_theta)
+        q = rope(self._norm_q(self.q(y).view(b, s, cfg.num_heads, cfg.head_dim)).transpose(1, 2), pos, cfg.rope_theta)
+        k = rope(self._norm_k(self.k(y).view(b, s, cfg.num_kv_heads, cfg.head_dim)).transpose(1, 2), pos,
+                 cfg.rope_theta)
         v = self.v(y).view(b, s, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)
         rep = cfg.num_heads // cfg.num_kv_heads

@@ -1,0 +1,216 @@
+"""DeepSpec-format DSpark checkpoints imported into an engine folder: the runtime's drafts equal
+the format's own forward (written in dspark_export/drafter/deepspec.py) at short and long
+context, speculation stays exact, and a checkpoint that does not fit is refused by name with
+nothing written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from deepspec_checkpoint import write_deepspec_checkpoint
+
+CONFIDENCE_TOLERANCE = 1e-3  # calibrated probability; the anchor's embedding row is stored in FP16
+
+
+def _snapshot(engine):
+    return sorted(p.name for p in engine.iterdir()), (engine / "manifest.json").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def imported(tiny_engine, tiny_hf, tmp_path_factory):
+    from dspark_export.drafter.install import install_drafter
+
+    engine = tmp_path_factory.mktemp("deepspec") / "engine"
+    shutil.copytree(tiny_engine, engine)
+    ckpt = write_deepspec_checkpoint(engine.parent / "ckpt", tiny_hf)
+    msgs: list[str] = []
+    install_drafter(engine, ckpt, precisions=("fp32", "int8"), progress=msgs.append)
+    return engine, ckpt, msgs
+
+
+def _reference(ckpt):
+    from dspark_export.drafter import deepspec
+
+    cfg = deepspec.read_config(ckpt)
+    return deepspec.Reference(cfg, deepspec.read_weights(ckpt, cfg))
+
+
+def test_import_lists_every_block_up_to_the_checkpoints_and_validates(imported):
+    from dspark_edge.manifest import read_manifest, verify_files
+
+    engine, _, msgs = imported
+    m = read_manifest(engine)
+    assert m.drafter.slots == 3 and m.drafter.draft_vocab == m.model.vocab_size
+    assert m.widths("drafter", "fp32") == (2, 3, 4)  # block_size 3 → widths 2..4 the target lists
+    validation = json.loads(m.drafter.provenance["validation"])
+    assert validation["deepspec"]["drafts_identical"] == validation["deepspec"]["rounds"] >= 3
+    assert validation["fp32"]["top1_agreement"] == 1.0
+    assert m.drafter.provenance["format"] == "DeepSpec Qwen3DSparkModel"
+    assert any("DeepSpec forward: drafts identical" in s for s in msgs)
+    verify_files(m, engine)
+
+
+@pytest.mark.parametrize("lengths", [(16, 40), (300, 301, 640), (1100, 1103)])
+def test_runtime_drafts_equal_the_deepspec_forward(imported, lengths):
+    """Incremental rounds through the installed graph and the runtime's sequential step, against
+    the reference from scratch: a position off by one only shows as the context grows."""
+    from dspark_edge.drafters.base import DraftRequest
+    from dspark_edge.drafters.dspark import DSparkDrafter, sigmoid
+    from dspark_edge.manifest import read_manifest
+
+    engine, ckpt, _ = imported
+    ref = _reference(ckpt)
+    drafter = DSparkDrafter(engine, read_manifest(engine), "fp32")
+    rng = np.random.default_rng(len(lengths))
+    feats = rng.standard_normal((max(lengths) + 1, drafter.feature_dim)).astype(np.float32)
+    tokens = rng.integers(3, 300, max(lengths) + 1).tolist()
+    drafter.begin(tokens[:1])
+    seen = 0
+    for n in lengths:
+        req = DraftRequest(context=tokens[:n + 1], max_tokens=3, temperature=0.0, top_k=0, top_p=1.0,
+                           new_hidden=feats[seen:n])
+        got = drafter.propose(req, rng)
+        seen = n
+        want, z = ref.propose(feats[:n], tokens[n])
+        assert got.tokens.tolist() == want.tolist()
+        # 1e-3: the engine keeps the anchor's input-embedding row in FP16 (embedding.npy)
+        assert np.abs(got.confidence - sigmoid(z)).max() < CONFIDENCE_TOLERANCE
+
+
+@pytest.mark.parametrize("options", [{"with_markov": False}, {"markov_rank": 0, "with_markov": False}])
+def test_confidence_without_the_markov_input_and_without_a_markov_head(tiny_engine, tiny_hf, tmp_path, options):
+    from dspark_edge.drafters.base import DraftRequest
+    from dspark_edge.drafters.dspark import DSparkDrafter, sigmoid
+    from dspark_edge.manifest import read_manifest
+    from dspark_export.drafter.install import install_drafter
+
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine, engine)
+    ckpt = write_deepspec_checkpoint(tmp_path / "ckpt", tiny_hf, seed=3, **options)
+    install_drafter(engine, ckpt, precisions=("fp32",), progress=lambda m: None)
+    drafter = DSparkDrafter(engine, read_manifest(engine), "fp32")
+    rng = np.random.default_rng(0)
+    feats = rng.standard_normal((50, drafter.feature_dim)).astype(np.float32)
+    tokens = rng.integers(3, 300, 51).tolist()
+    drafter.begin(tokens[:1])
+    got = drafter.propose(DraftRequest(context=tokens, max_tokens=3, temperature=0.0, top_k=0, top_p=1.0,
+                                       new_hidden=feats), rng)
+    want, z = _reference(ckpt).propose(feats, tokens[50])
+    assert got.tokens.tolist() == want.tolist() and np.abs(got.confidence - sigmoid(z)).max() < CONFIDENCE_TOLERANCE
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_speculation_with_an_imported_drafter_is_exact_greedy(imported, precision):
+    import dspark_edge
+
+    engine, _, _ = imported
+    plain = dspark_edge.load(engine, "fp32")
+    spec = dspark_edge.load(engine, "fp32", drafter=f"dspark:{precision}", scheduler=False)
+    for prompt in ("The quick brown fox", "def add(a, b):"):
+        want = plain.generate(prompt, max_new_tokens=40, ignore_eos=True).token_ids
+        got = spec.generate(prompt, max_new_tokens=40, ignore_eos=True, draft_tokens=3)
+        assert got.token_ids == want and got.stats.rounds < 40  # it drafted, and output is the target's
+
+
+def _config_change(key, value):
+    def change(cfg):
+        if value is None:
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+    return change
+
+
+@pytest.mark.parametrize("change, message", [
+    (_config_change("markov_head_type", "gated"), "markov_head_type 'gated' is not supported"),
+    (_config_change("markov_head_type", "rnn"), "markov_head_type 'rnn' is not supported"),
+    (_config_change("enable_confidence_head", False), "no confidence head"),
+    (_config_change("hidden_size", 96), "hidden size 96"),
+    (_config_change("vocab_size", 500), "vocabulary 500"),
+    (_config_change("num_target_layers", 5), r"target layers \(num_target_layers\) 5"),
+    (_config_change("mask_token_id", 384), "mask_token_id 384 is outside the vocabulary"),
+    (_config_change("target_layer_ids", [0]), r"--hidden-layers 1\b"),
+    (_config_change("target_layer_ids", [-1, 1]), "cannot expose"),
+    (_config_change("draft_vocab_size", 128), "reduced draft vocabulary"),
+    (_config_change("architectures", ["Gemma4DSparkModel"]), "only Qwen3DSparkModel"),
+    (_config_change("rope_scaling", {"rope_type": "yarn", "factor": 4.0}), "RoPE scaling 'yarn'"),
+    (_config_change("block_size", None), "lacks 'block_size'"),
+    (_config_change("block_size", "7"), "block_size must be an integer"),
+])
+def test_a_checkpoint_that_does_not_fit_is_refused_with_nothing_written(tiny_hf, engine_copy, tmp_path, change,
+                                                                        message):
+    from dspark_edge.errors import ExportError
+    from dspark_export.drafter.install import install_drafter
+
+    ckpt = write_deepspec_checkpoint(tmp_path / "ckpt", tiny_hf)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    change(cfg)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    before = _snapshot(engine_copy)
+    with pytest.raises(ExportError, match=message):
+        install_drafter(engine_copy, ckpt, precisions=("fp32",), progress=lambda m: None)
+    assert _snapshot(engine_copy) == before
+
+
+def test_the_reexport_command_in_the_error_names_every_option_to_keep(tiny_hf, engine_copy, tmp_path):
+    from dspark_edge.errors import ExportError
+    from dspark_export.drafter.install import install_drafter
+
+    ckpt = write_deepspec_checkpoint(tmp_path / "ckpt", tiny_hf, target_layer_ids=(1,))
+    with pytest.raises(ExportError) as err:
+        install_drafter(engine_copy, ckpt, precisions=("fp32",), progress=lambda m: None)
+    text = str(err.value)
+    assert f"--source {tiny_hf}" in text and "--precisions fp32,int8" in text and "--widths 1,2,3,4" in text
+    assert text.endswith("--hidden-layers 2")
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate", "damaged or truncated"),
+    ("drop", r"missing \['layers.0.mlp.up_proj.weight'\]"),
+    ("extra", r"unexpected \['markov_head.gate_proj.weight'\]"),
+    ("shape", r"fc.weight has shape \(64, 64\)"),
+    ("nan", "NaN or infinite"),
+])
+def test_damaged_weights_are_refused_with_nothing_written(tiny_hf, engine_copy, tmp_path, damage, message):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dspark_edge.errors import ExportError
+    from dspark_export.drafter.install import install_drafter
+
+    ckpt = write_deepspec_checkpoint(tmp_path / "ckpt", tiny_hf)
+    path = ckpt / "model.safetensors"
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        w = load_file(str(path))
+        if damage == "drop":
+            del w["layers.0.mlp.up_proj.weight"]
+        elif damage == "extra":
+            w["markov_head.gate_proj.weight"] = torch.zeros(8, 8)
+        elif damage == "shape":
+            w["fc.weight"] = torch.zeros(64, 64)
+        else:
+            w["norm.weight"][0] = float("nan")
+        save_file(w, str(path))
+    before = _snapshot(engine_copy)
+    with pytest.raises(ExportError, match=message):
+        install_drafter(engine_copy, ckpt, precisions=("fp32",), progress=lambda m: None)
+    assert _snapshot(engine_copy) == before
+
+
+def test_the_cli_imports_a_checkpoint(tiny_hf, engine_copy, tmp_path, capsys):
+    from dspark_edge.manifest import read_manifest
+    from dspark_export.__main__ import main
+
+    ckpt = write_deepspec_checkpoint(tmp_path / "ckpt", tiny_hf)
+    assert main(["drafter", "--target", str(engine_copy), "--weights", str(ckpt), "--blocks", "4",
+                 "--precisions", "fp32"]) == 0
+    assert read_manifest(engine_copy).widths("drafter", "fp32") == (4,)
+    ckpt2 = write_deepspec_checkpoint(tmp_path / "ckpt2", tiny_hf, markov_head_type="gated")
+    assert main(["drafter", "--target", str(engine_copy), "--weights", str(ckpt2)]) == 2
+    assert "error:" in capsys.readouterr().err
