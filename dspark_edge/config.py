@@ -205,3 +205,4 @@ class GenerationResult:
     stop_reason: StopReason
     stats: GenerationStats
     error: str | None = None
+    prompt_ids: tuple[int, ...] = ()  # the prompt as the target read it (after the chat template, any truncation)

@@ -61,7 +61,8 @@ class TraceWriter:
 
     def on_generation(self, result) -> None:
         self._write({"type": "summary", "generation": self.generation, "stop_reason": result.stop_reason,
-                     "error": result.error, "new_tokens": len(result.token_ids), "stats": result.stats.as_dict()})
+                     "error": result.error, "new_tokens": len(result.token_ids), "stats": result.stats.as_dict(),
+                     "prompt_ids": list(result.prompt_ids), "token_ids": list(result.token_ids)})
         self.generation += 1
 
     def close(self) -> None:

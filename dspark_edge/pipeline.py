@@ -484,7 +484,7 @@ class TextStream:
                           drafter=p.drafter.name if (p.drafter is not None and cfg.speculative) else "none",
                           drafter_disabled=spec.disabled, modes=dict(st.modes))
         self.result = GenerationResult(text=text, token_ids=tuple(self.token_ids), stop_reason=stop_reason,
-                                       stats=stats, error=error)
+                                       stats=stats, error=error, prompt_ids=tuple(int(t) for t in self._prompt_ids))
         if p.observers:
             p._notify("on_generation", self.result)
         if error is not None:

@@ -55,13 +55,14 @@ class RoundInfo:
     t_s: float = 0.0  # seconds since the generation began, at the end of this round
     telemetry: Snapshot | None = None  # the reading this round saw (None when nothing samples it)
     drafting: dict | None = None  # what the drafter did this round and why, when it says (``last_proposal``)
+    drafts: tuple[int, ...] = ()  # the proposed draft ids, in order (the first ``accepted`` start ``tokens``)
 
     def as_dict(self) -> dict:
         """A JSON-ready record (one trace line)."""
         from dataclasses import asdict
 
         d = {"round": self.index, "t_s": round(self.t_s, 6), "width": self.width, "drafted": self.drafted,
-             "accepted": self.accepted, "tokens": list(self.tokens), "confidence": [round(c, 5) for c in self.confidence],
+             "accepted": self.accepted, "tokens": list(self.tokens), "drafts": list(self.drafts), "confidence": [round(c, 5) for c in self.confidence],
              "draft_ms": round(self.draft_ms, 4), "verify_ms": round(self.verify_ms, 4),
              "draft_n_total": self.draft_n_total, "accepted_total": self.accepted_total,
              "decision": None, "telemetry": None, "drafting": self.drafting}
@@ -191,7 +192,8 @@ class Speculator:
                          st.draft_n, st.accepted, decision, index=st.rounds,
                          tokens=tuple(int(t) for t in outcome.tokens), draft_ms=draft_ms or 0.0,
                          verify_ms=verify_ms, t_s=time.perf_counter() - t0, telemetry=snap,
-                         drafting=dict(draft.record) if isinstance(draft.record, dict) else None)
+                         drafting=dict(draft.record) if isinstance(draft.record, dict) else None,
+                         drafts=tuple(int(t) for t in draft.tokens))
         record(info)
         # Feedback for the drafter's own learning.
         if self.drafter is not None and len(draft):

@@ -214,3 +214,33 @@ def test_the_cli_imports_a_checkpoint(tiny_hf, engine_copy, tmp_path, capsys):
     ckpt2 = write_deepspec_checkpoint(tmp_path / "ckpt2", tiny_hf, markov_head_type="gated")
     assert main(["drafter", "--target", str(engine_copy), "--weights", str(ckpt2)]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_generate_with_an_imported_drafter_traces_drafts_and_the_prompt(imported, tmp_path):
+    """`generate --drafter dspark --draft-tokens N --trace` on an imported drafter: each round's
+    proposed drafts and the prompt's ids are in the trace, so a round can be replayed."""
+    import subprocess
+    import sys
+
+    from dspark_edge.metrics import read_trace
+
+    engine, ckpt, _ = imported
+    trace = tmp_path / "t.jsonl"
+    p = subprocess.run([sys.executable, "-m", "dspark_edge", "generate", "--engine", str(engine), "--drafter",
+                        "dspark", "--draft-tokens", "3", "--trace", str(trace), "--raw", "--max-new-tokens", "16",
+                        "The quick brown fox"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    recs = read_trace(trace)
+    rounds = [r for r in recs if r["type"] == "round"]
+    (summary,) = [r for r in recs if r["type"] == "summary"]
+    assert summary["stats"]["drafter"] == "dspark" and summary["prompt_ids"] and rounds
+    assert all(len(r["drafts"]) == r["drafted"] for r in rounds) and rounds[0]["drafted"] == 3
+    # replay the first round: the reference drafts from the prompt alone give the recorded drafts
+    import dspark_edge
+
+    pipe = dspark_edge.load(engine, "fp32")
+    ids = summary["prompt_ids"] + [summary["token_ids"][0]]
+    rows: list = []
+    pipe.target.prefill(pipe.target.new_cache(), np.asarray(ids[:-1], dtype=np.int64), hidden_sink=rows)
+    want, _ = _reference(ckpt).propose(np.concatenate(rows), ids[-1])
+    assert rounds[0]["drafts"] == want.tolist()

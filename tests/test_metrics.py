@@ -46,8 +46,14 @@ def test_trace_records_every_round_and_agrees_with_stats(spec, tmp_path):
         # the prefill gives the first token; every round commits its accepted drafts and one more
         committed = [r.token_ids[0]] + [t for x in rounds for t in x["tokens"]]
         assert tuple(committed[:len(r.token_ids)]) == r.token_ids
+        assert summary[0]["prompt_ids"] == spec.encode_prompt(PROMPT)  # a text prompt, as is
+        assert tuple(summary[0]["token_ids"]) == r.token_ids
         for x in rounds:
             assert x["accepted"] <= x["drafted"] == x["width"] - 1 and len(x["tokens"]) == x["accepted"] + 1
+            # the proposed drafts: the accepted ones begin the committed tokens, the next one was rejected
+            assert len(x["drafts"]) == x["drafted"] and x["drafts"][:x["accepted"]] == x["tokens"][:x["accepted"]]
+            if x["accepted"] < x["drafted"]:
+                assert x["drafts"][x["accepted"]] != x["tokens"][x["accepted"]]  # greedy: the target's token differs
             assert len(x["confidence"]) == x["drafted"] and x["verify_ms"] > 0
             assert x["telemetry"] is not None and "mem_available_mb" in x["telemetry"]
             assert x["drafting"] is None  # the draft model gives no account of its proposals
