@@ -244,3 +244,33 @@ def test_generate_with_an_imported_drafter_traces_drafts_and_the_prompt(imported
     pipe.target.prefill(pipe.target.new_cache(), np.asarray(ids[:-1], dtype=np.int64), hidden_sink=rows)
     want, _ = _reference(ckpt).propose(np.concatenate(rows), ids[-1])
     assert rounds[0]["drafts"] == want.tolist()
+
+
+@pytest.mark.parametrize("sampling", [None, "rejection", "coupled"])
+def test_markov_top_k_keeps_speculation_lossless(imported, sampling):
+    """A drafter searching only the top-k base logits proposes other drafts; greedy output is
+    still the target's, and sampled drafts come from a distribution over those k alone."""
+    import dspark_edge
+    from dspark_edge.drafters.base import DraftRequest
+    from dspark_edge.drafters.dspark import DSparkDrafter
+    from dspark_edge.manifest import read_manifest
+
+    engine, _, _ = imported
+    manifest = read_manifest(engine)
+    narrow = DSparkDrafter(engine, manifest, "fp32", markov_top_k=4)
+    assert DSparkDrafter(engine, manifest, "fp32").markov_top_k is None  # "auto": a 384-token vocabulary in full
+    rng = np.random.default_rng(0)
+    feats = rng.standard_normal((30, narrow.feature_dim)).astype(np.float32)
+    tokens = rng.integers(3, 300, 31).tolist()
+    narrow.begin(tokens[:1])
+    req = DraftRequest(context=tokens, max_tokens=3, temperature=1.0, top_k=0, top_p=1.0, new_hidden=feats,
+                       coupled_seed=5 if sampling == "coupled" else None)
+    d = narrow.propose(req, rng)
+    assert d.q.shape == (3, manifest.model.vocab_size) and np.allclose(d.q.sum(1), 1.0)
+    assert ((d.q > 0).sum(1) <= 4).all() and all(d.q[i, t] > 0 for i, t in enumerate(d.tokens))
+    if sampling is None:
+        plain = dspark_edge.load(engine, "fp32")
+        spec = plain.twin(narrow)  # the same target session, drafting with the narrow drafter
+        want = plain.generate("The quick brown fox", max_new_tokens=32, ignore_eos=True).token_ids
+        got = spec.generate("The quick brown fox", max_new_tokens=32, ignore_eos=True, draft_tokens=3)
+        assert got.token_ids == want

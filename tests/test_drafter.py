@@ -88,7 +88,7 @@ def test_markov_step_equals_a_reference_loop():
     w1 = model.markov_in.weight.detach().numpy()
     w2 = model.markov_out.weight.detach().numpy().T
     cw, cb = model.conf.weight.detach().numpy()[0].astype(np.float64), float(model.conf.bias.detach())
-    drafts, z = sequential_step(u, h, 7, w1, w2, cw, cb, lambda j, lg: int(np.argmax(lg)))
+    drafts, z = sequential_step(u, h, 7, w1, w2, cw, cb, lambda j, lg, cand: int(np.argmax(lg)))
     prev = torch.tensor(7)
     for k in range(CFG.slots):  # PyTorch, one position at a time
         with torch.no_grad():
@@ -100,14 +100,36 @@ def test_markov_step_equals_a_reference_loop():
         prev = logits.argmax()
 
 
+def test_markov_top_k_adds_the_bias_to_the_largest_base_logits_only():
+    model = _model()
+    rng = np.random.default_rng(3)
+    u = rng.standard_normal((CFG.slots, 100)).astype(np.float32)
+    h = rng.standard_normal((CFG.slots, H)).astype(np.float32)
+    w1 = model.markov_in.weight.detach().numpy()
+    w2 = rng.standard_normal((w1.shape[1], 100)).astype(np.float32)  # a strong bias: top-k matters
+    cw, cb = model.conf.weight.detach().numpy()[0].astype(np.float64), 0.0
+    greedy = lambda j, lg, cand: int(np.argmax(lg))  # noqa: E731
+    full, z_full = sequential_step(u, h, 7, w1, w2, cw, cb, greedy)
+    assert np.array_equal(sequential_step(u, h, 7, w1, w2, cw, cb, greedy, top_k=100)[0], full)  # k = Vd: all
+    drafts, z = sequential_step(u, h, 7, w1, w2, cw, cb, greedy, top_k=5)
+    prev = 7
+    for k in range(CFG.slots):  # the reference: the full biased logits, masked to the 5 largest base logits
+        logits = u[k] + w1[prev] @ w2
+        keep = np.argsort(u[k])[-5:]
+        assert drafts[k] == keep[np.argmax(logits[keep])]
+        prev = drafts[k]
+    assert np.allclose(z[0], z_full[0])  # the first confidence reads the anchor alone
+    assert not np.array_equal(drafts, full)  # with this bias, the narrow search proposes other drafts
+
+
 def test_confidence_depends_on_the_previous_draft_only():
     model = _model()
     rng = np.random.default_rng(2)
     u, h = rng.standard_normal((4, 100)).astype(np.float32), rng.standard_normal((4, H)).astype(np.float32)
     args = (model.markov_in.weight.detach().numpy(), model.markov_out.weight.detach().numpy().T,
             model.conf.weight.detach().numpy()[0].astype(np.float64), 0.1)
-    a = sequential_step(u, h, 3, *args, choose=lambda j, lg: [5, 6, 7, 8][j])
-    b = sequential_step(u, h, 3, *args, choose=lambda j, lg: [5, 6, 9, 8][j])  # x_3 differs
+    a = sequential_step(u, h, 3, *args, choose=lambda j, lg, cand: [5, 6, 7, 8][j])
+    b = sequential_step(u, h, 3, *args, choose=lambda j, lg, cand: [5, 6, 9, 8][j])  # x_3 differs
     assert np.allclose(a[1][:3], b[1][:3])  # c_1..c_3 are known before x_3 is drawn
     assert not np.isclose(a[1][3], b[1][3])  # c_4 reads x_3
 

@@ -37,13 +37,16 @@ def sigmoid(x: np.ndarray | float) -> np.ndarray:
 
 
 def sequential_step(u: np.ndarray, h: np.ndarray, anchor: int, w1: np.ndarray, w2: np.ndarray,
-                    conf_w: np.ndarray, conf_b: float, choose) -> tuple[np.ndarray, np.ndarray]:
+                    conf_w: np.ndarray, conf_b: float, choose, top_k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The Markov head and the confidence logits, left to right over k slots.
 
     u [k, Vd] base logits, h [k, H]; ``anchor`` and the returned drafts are draft-vocabulary
-    indices (Vd = outside it). ``choose(j, logits)`` picks draft j from its logits U_j + B_j.
-    Returns (drafts [k], raw confidence logits z [k]); z_j is computed from x_{j-1} only,
-    before draft j is chosen.
+    indices (Vd = outside it). ``choose(j, logits, candidates)`` picks draft j from its logits
+    U_j + B_j over ``candidates`` (draft-vocabulary indices; None: all Vd) and returns an index
+    into them. With ``top_k``, the Markov bias is added to the ``top_k`` largest base logits of
+    each slot only (r × top_k work instead of r × Vd): drafts outside them are never proposed,
+    which costs acceptance, never exactness. Returns (drafts [k], raw confidence logits z [k]);
+    z_j is computed from x_{j-1} only, before draft j is chosen.
 
     The products are written with ``einsum``, which numpy runs on the calling thread: ``@``
     hands an r × Vd product to the BLAS library, whose worker threads then busy-wait for more
@@ -52,12 +55,21 @@ def sequential_step(u: np.ndarray, h: np.ndarray, anchor: int, w1: np.ndarray, w
     k, hidden = h.shape
     drafts, z = np.zeros(k, dtype=np.int64), np.zeros(k)
     zh = np.einsum("kh,h->k", h.astype(np.float64), conf_w[:hidden])
+    narrow = top_k is not None and top_k < u.shape[1]
     prev = anchor
     for j in range(k):
         row = w1[prev]
         z[j] = float(zh[j] + np.einsum("r,r->", conf_w[hidden:], row)) + conf_b
-        drafts[j] = prev = choose(j, u[j] + np.einsum("r,rv->v", row, w2))
+        if narrow:
+            cand = np.argpartition(u[j], -top_k)[-top_k:]
+            drafts[j] = prev = int(cand[choose(j, u[j, cand] + np.einsum("r,rv->v", row, w2[:, cand]), cand)])
+        else:
+            drafts[j] = prev = choose(j, u[j] + np.einsum("r,rv->v", row, w2), None)
     return drafts, z
+
+
+MARKOV_TOP_K = 256
+FULL_MARKOV_MAX = 16384
 
 
 class DSparkDrafter(BaseDrafter):
@@ -66,7 +78,12 @@ class DSparkDrafter(BaseDrafter):
     observed_confidence = False  # calibrated offline: the scheduler's online offset applies
 
     def __init__(self, engine_dir: str | Path, manifest: Manifest, precision: str | None = None,
-                 options: BackendOptions | None = None, verify_hashes: bool = True) -> None:
+                 options: BackendOptions | None = None, verify_hashes: bool = True,
+                 markov_top_k: int | None | str = "auto") -> None:
+        """``markov_top_k``: add the Markov bias to this many of each slot's largest base logits
+        (``sequential_step``); None: to all of them; "auto": ``MARKOV_TOP_K`` when the draft
+        vocabulary holds more than ``FULL_MARKOV_MAX`` tokens (an imported full-vocabulary
+        drafter), else all."""
         from ..backends.ort import open_session
 
         engine_dir = Path(engine_dir)
@@ -97,6 +114,12 @@ class DSparkDrafter(BaseDrafter):
         self.vocab_size = manifest.model.vocab_size
         self.feature_dim = manifest.model.hidden_size * len(info.feature_layers)
         self._shape = (info.num_kv_heads, info.head_dim)
+        if markov_top_k == "auto":
+            markov_top_k = MARKOV_TOP_K if self.vocab_ids.size > FULL_MARKOV_MAX else None
+        if markov_top_k is not None and (isinstance(markov_top_k, bool) or not isinstance(markov_top_k, int)
+                                         or markov_top_k < 1):
+            raise ConfigError(f"markov_top_k must be a positive integer, None or 'auto', got {markov_top_k!r}")
+        self.markov_top_k = markov_top_k
         self.begin(())
 
     @property
@@ -139,19 +162,20 @@ class DSparkDrafter(BaseDrafter):
         greedy = request.temperature == 0.0
         qs: list[np.ndarray] = []
 
-        def choose(j: int, logits: np.ndarray) -> int:
+        def choose(j: int, logits: np.ndarray, cand: np.ndarray | None) -> int:
             if greedy:
                 return int(np.argmax(logits))
             qd = probs(logits, request.temperature, request.top_k, request.top_p)
             q = np.zeros(self.vocab_size)
-            q[self.vocab_ids] = qd
+            q[self.vocab_ids if cand is None else self.vocab_ids[cand]] = qd
             qs.append(q)
             if request.coupled_seed is not None:  # the target's noise for this position, over its vocabulary
-                return int(self.to_draft[coupled_pick(q, request.coupled_seed, request.position + j)])
+                picked = int(self.to_draft[coupled_pick(q, request.coupled_seed, request.position + j)])
+                return picked if cand is None else int(np.flatnonzero(cand == picked)[0])
             return sample(qd, rng)
 
         idx, z = sequential_step(u[:k], h[:k], int(self.to_draft[anchor]), self.w1, self.w2, self.conf_w,
-                                 self.conf_b, choose)
+                                 self.conf_b, choose, self.markov_top_k)
         conf = sigmoid(z / self.temperatures[:k] + self.biases[:k])
         return Draft(self.vocab_ids[idx], np.stack(qs) if qs else None, conf)
 

@@ -111,7 +111,7 @@ def _deepspec_rounds(reference, model, ids: list[int], feats: np.ndarray) -> dic
         u, h = reference_round(model, torch.from_numpy(feats[:cut]), int(ids[cut]), cut, b)
         got, z = sequential_step(u, h, int(ids[cut]), tab["markov_in"], tab["markov_out"],
                                  tab["conf_w"].astype(np.float64), float(tab["conf_b"][0]),
-                                 lambda j, logits: int(np.argmax(logits)))
+                                 lambda j, logits, cand: int(np.argmax(logits)))
         same += int(np.array_equal(got, want))
         worst = max(worst, float(np.abs(z - conf).max()))
     return {"rounds": len(cuts), "drafts_identical": same, "max_abs_confidence_logit_diff": worst}
