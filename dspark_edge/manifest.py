@@ -176,6 +176,9 @@ class DrafterInfo:
     embedding: str
     provenance: dict[str, str]
     biases: tuple[float, ...] = ()  # b_k; empty: all 0 (drafters calibrated by temperature alone)
+    # "head": z_k from the confidence head; "draft_probability": no head, z_k = logit of the
+    # largest probability of slot k's draft distribution (calibrated online by the scheduler)
+    confidence: Literal["head", "draft_probability"] = "head"
 
     def __post_init__(self) -> None:
         if len(self.temperatures) != self.slots:

@@ -103,6 +103,79 @@ def test_confidence_without_the_markov_input_and_without_a_markov_head(tiny_engi
     assert got.tokens.tolist() == want.tolist() and np.abs(got.confidence - sigmoid(z)).max() < CONFIDENCE_TOLERANCE
 
 
+@pytest.mark.parametrize("options", [{"draft_vocab": 96}, {"confidence_head": False},
+                                     {"draft_vocab": 96, "confidence_head": False, "markov_rank": 0}])
+def test_d2t_vocabularies_and_drafters_without_a_confidence_head(tiny_engine, tiny_hf, tmp_path, options):
+    """A reduced draft vocabulary (d2t) and a drafter without a confidence head import: drafts
+    equal the reference's (anchors outside the draft vocabulary included, which read their own
+    Markov row), confidences too (the head's, or the draft distribution's largest probability),
+    and greedy speculation stays the target's own output."""
+    import dspark_edge
+    from dspark_edge.drafters.base import DraftRequest
+    from dspark_edge.drafters.dspark import DSparkDrafter, sigmoid
+    from dspark_edge.manifest import read_manifest
+    from dspark_export.drafter.install import install_drafter
+
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine, engine)
+    ckpt = write_deepspec_checkpoint(tmp_path / "ckpt", tiny_hf, seed=4, **options)
+    install_drafter(engine, ckpt, precisions=("fp32",), progress=lambda m: None)
+    manifest = read_manifest(engine)
+    assert manifest.drafter.draft_vocab == options.get("draft_vocab", manifest.model.vocab_size)
+    assert manifest.drafter.confidence == ("head" if options.get("confidence_head", True) else "draft_probability")
+    drafter = DSparkDrafter(engine, manifest, "fp32")
+    ref = _reference(ckpt)
+    outside = sorted(set(range(3, 300)) - set(drafter.vocab_ids.tolist()))
+    rng = np.random.default_rng(1)
+    feats = rng.standard_normal((121, drafter.feature_dim)).astype(np.float32)
+    tokens = rng.integers(3, 300, 121).tolist()
+    if outside:
+        tokens[40], tokens[80] = outside[0], outside[-1]  # anchors outside the draft vocabulary
+    drafter.begin(tokens[:1])
+    seen = 0
+    for n in (20, 40, 80, 120):
+        got = drafter.propose(DraftRequest(context=tokens[:n + 1], max_tokens=3, temperature=0.0, top_k=0, top_p=1.0,
+                                           new_hidden=feats[seen:n]), rng)
+        seen = n
+        want, z = ref.propose(feats[:n], tokens[n])
+        assert got.tokens.tolist() == want.tolist()
+        assert np.isin(got.tokens, drafter.vocab_ids).all()
+        assert np.abs(got.confidence - sigmoid(z)).max() < CONFIDENCE_TOLERANCE
+    plain = dspark_edge.load(engine, "fp32")
+    spec = plain.twin(drafter)
+    for prompt in ("The quick brown fox", "def add(a, b):"):
+        want_ids = plain.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids
+        assert spec.generate(prompt, max_new_tokens=24, ignore_eos=True, draft_tokens=3).token_ids == want_ids
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("float", "d2t holds torch.float32"),
+    ("outside", "outside the target's vocabulary"),
+    ("twice", "same target id"),
+])
+def test_a_bad_d2t_table_is_refused_with_nothing_written(tiny_hf, engine_copy, tmp_path, damage, message):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dspark_edge.errors import ExportError
+    from dspark_export.drafter.install import install_drafter
+
+    ckpt = write_deepspec_checkpoint(tmp_path / "ckpt", tiny_hf, draft_vocab=96)
+    path = ckpt / "model.safetensors"
+    w = load_file(str(path))
+    if damage == "float":
+        w["d2t"] = w["d2t"].float()
+    elif damage == "outside":
+        w["d2t"][-1] = 10_000
+    else:
+        w["d2t"][1] = w["d2t"][0] - 1  # draft ids 0 and 1 both map to target id d2t[0]
+    save_file(w, str(path))
+    before = _snapshot(engine_copy)
+    with pytest.raises(ExportError, match=message):
+        install_drafter(engine_copy, ckpt, precisions=("fp32",), progress=lambda m: None)
+    assert _snapshot(engine_copy) == before
+
+
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_speculation_with_an_imported_drafter_is_exact_greedy(imported, precision):
     import dspark_edge
@@ -128,14 +201,14 @@ def _config_change(key, value):
 @pytest.mark.parametrize("change, message", [
     (_config_change("markov_head_type", "gated"), "markov_head_type 'gated' is not supported"),
     (_config_change("markov_head_type", "rnn"), "markov_head_type 'rnn' is not supported"),
-    (_config_change("enable_confidence_head", False), "no confidence head"),
+    (_config_change("draft_vocab_size", 500), "draft_vocab_size 500 exceeds vocab_size 384"),
     (_config_change("hidden_size", 96), "hidden size 96"),
     (_config_change("vocab_size", 500), "vocabulary 500"),
     (_config_change("num_target_layers", 5), r"target layers \(num_target_layers\) 5"),
     (_config_change("mask_token_id", 384), "mask_token_id 384 is outside the vocabulary"),
     (_config_change("target_layer_ids", [0]), r"--hidden-layers 1\b"),
     (_config_change("target_layer_ids", [-1, 1]), "cannot expose"),
-    (_config_change("draft_vocab_size", 128), "reduced draft vocabulary"),
+    (_config_change("draft_vocab_size", 128), r"missing \['d2t'\]"),
     (_config_change("architectures", ["Gemma4DSparkModel"]), "only Qwen3DSparkModel"),
     (_config_change("rope_scaling", {"rope_type": "yarn", "factor": 4.0}), "RoPE scaling 'yarn'"),
     (_config_change("block_size", None), "lacks 'block_size'"),

@@ -9,6 +9,7 @@ sequential step runs in numpy, left to right:
     r_k = W1[x_{k-1}]                   (x_0 = anchor)
     p_k = softmax(U_k + r_k · W2)       → x_k (argmax, or a draw for sampling)
     c_k = σ((w · [h_k ; r_k] + b) / T_k + b_k)   calibrated confidence, known before x_k is drawn
+          (a drafter without a confidence head: the logit of max p_k in place of w · [h_k ; r_k] + b)
 
 The LM head runs once per block inside the graph; the sequential step touches an r-wide row
 and an r × Vd matrix. Drafts live in the draft vocabulary (``vocab_ids``); q is returned over
@@ -36,17 +37,31 @@ def sigmoid(x: np.ndarray | float) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, dtype=np.float64)))
 
 
+def max_probability_logit(logits: np.ndarray) -> float:
+    """logit(p), p = softmax(logits).max(): the confidence a drafter without a confidence head
+    reports for a slot (p clipped to [1e-12, 1 - 1e-12]). It reads the slot's logits, which
+    depend on the drafts before it only, so like the head's it is known before the draft."""
+    x = logits.astype(np.float64)
+    lse = float(x.max() + np.log(np.exp(x - x.max()).sum()))
+    p = min(max(float(np.exp(x.max() - lse)), 1e-12), 1.0 - 1e-12)
+    return float(np.log(p) - np.log1p(-p))
+
+
 def sequential_step(u: np.ndarray, h: np.ndarray, anchor: int, w1: np.ndarray, w2: np.ndarray,
-                    conf_w: np.ndarray, conf_b: float, choose, top_k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    conf_w: np.ndarray | None, conf_b: float, choose, top_k: int | None = None,
+                    anchor_row: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The Markov head and the confidence logits, left to right over k slots.
 
     u [k, Vd] base logits, h [k, H]; ``anchor`` and the returned drafts are draft-vocabulary
-    indices (Vd = outside it). ``choose(j, logits, candidates)`` picks draft j from its logits
+    indices (Vd = outside it). ``anchor_row`` [r], when given, is the anchor's own Markov row
+    (a drafter whose W1 has a row for every target token, when the anchor lies outside the
+    draft vocabulary). ``choose(j, logits, candidates)`` picks draft j from its logits
     U_j + B_j over ``candidates`` (draft-vocabulary indices; None: all Vd) and returns an index
     into them. With ``top_k``, the Markov bias is added to the ``top_k`` largest base logits of
     each slot only (r × top_k work instead of r × Vd): drafts outside them are never proposed,
-    which costs acceptance, never exactness. Returns (drafts [k], raw confidence logits z [k]);
-    z_j is computed from x_{j-1} only, before draft j is chosen.
+    which costs acceptance, never exactness. ``conf_w`` None: no confidence head, z_j is
+    ``max_probability_logit`` of slot j's logits. Returns (drafts [k], raw confidence logits
+    z [k]); z_j is computed from x_{j-1} only, before draft j is chosen.
 
     The products are written with ``einsum``, which numpy runs on the calling thread: ``@``
     hands an r × Vd product to the BLAS library, whose worker threads then busy-wait for more
@@ -54,17 +69,20 @@ def sequential_step(u: np.ndarray, h: np.ndarray, anchor: int, w1: np.ndarray, w
     target's verify time and the drafter's round: 89 vs 48 ms per k=1 round)."""
     k, hidden = h.shape
     drafts, z = np.zeros(k, dtype=np.int64), np.zeros(k)
-    zh = np.einsum("kh,h->k", h.astype(np.float64), conf_w[:hidden])
+    zh = None if conf_w is None else np.einsum("kh,h->k", h.astype(np.float64), conf_w[:hidden])
     narrow = top_k is not None and top_k < u.shape[1]
     prev = anchor
     for j in range(k):
-        row = w1[prev]
-        z[j] = float(zh[j] + np.einsum("r,r->", conf_w[hidden:], row)) + conf_b
-        if narrow:
-            cand = np.argpartition(u[j], -top_k)[-top_k:]
-            drafts[j] = prev = int(cand[choose(j, u[j, cand] + np.einsum("r,rv->v", row, w2[:, cand]), cand)])
+        row = anchor_row.astype(np.float32) if j == 0 and anchor_row is not None else w1[prev]
+        cand = np.argpartition(u[j], -top_k)[-top_k:] if narrow else None
+        logits = (u[j, cand] + np.einsum("r,rv->v", row, w2[:, cand]) if narrow
+                  else u[j] + np.einsum("r,rv->v", row, w2))
+        if zh is None:
+            z[j] = max_probability_logit(logits)
         else:
-            drafts[j] = prev = choose(j, u[j] + np.einsum("r,rv->v", row, w2), None)
+            z[j] = float(zh[j] + np.einsum("r,r->", conf_w[hidden:], row)) + conf_b
+        picked = choose(j, logits, cand)
+        drafts[j] = prev = int(cand[picked]) if narrow else picked
     return drafts, z
 
 
@@ -104,7 +122,11 @@ class DSparkDrafter(BaseDrafter):
         t = np.load(engine_dir / info.tables)
         self.vocab_ids = t["vocab_ids"].astype(np.int64)
         self.w1, self.w2 = t["markov_in"].astype(np.float32), t["markov_out"].astype(np.float32)
-        self.conf_w, self.conf_b = t["conf_w"].astype(np.float64), float(t["conf_b"][0])
+        # An imported drafter with a d2t vocabulary keeps W1's rows for every target token (FP16):
+        # an anchor outside the draft vocabulary reads its own row.
+        self.anchor_rows = t["markov_anchor"] if "markov_anchor" in t.files else None
+        self.conf_w = t["conf_w"].astype(np.float64) if info.confidence == "head" else None
+        self.conf_b = float(t["conf_b"][0])
         self.embedding = np.load(engine_dir / info.embedding, mmap_mode="r")  # only read rows are paged in
         self.to_draft = np.full(manifest.model.vocab_size, self.vocab_ids.size, dtype=np.int64)
         self.to_draft[self.vocab_ids] = np.arange(self.vocab_ids.size)
@@ -174,8 +196,9 @@ class DSparkDrafter(BaseDrafter):
                 return picked if cand is None else int(np.flatnonzero(cand == picked)[0])
             return sample(qd, rng)
 
+        anchor_row = None if self.anchor_rows is None else self.anchor_rows[anchor]
         idx, z = sequential_step(u[:k], h[:k], int(self.to_draft[anchor]), self.w1, self.w2, self.conf_w,
-                                 self.conf_b, choose, self.markov_top_k)
+                                 self.conf_b, choose, self.markov_top_k, anchor_row)
         conf = sigmoid(z / self.temperatures[:k] + self.biases[:k])
         return Draft(self.vocab_ids[idx], np.stack(qs) if qs else None, conf)
 

@@ -5,8 +5,8 @@ drafter, and a PyTorch reference of the format's own forward to validate the con
 A checkpoint folder holds ``config.json`` (the target's text config with ``architectures:
 ["Qwen3DSparkModel"]``, ``num_hidden_layers`` = drafter layers, ``block_size``, ``mask_token_id``,
 ``target_layer_ids``, ``num_target_layers``, ``markov_rank``, ``markov_head_type``,
-``enable_confidence_head``, ``confidence_head_with_markov``) and safetensors weights
-(``model.safetensors``, or shards listed by ``model.safetensors.index.json``).
+``enable_confidence_head``, ``confidence_head_with_markov``; optionally ``draft_vocab_size``) and
+safetensors weights (``model.safetensors``, or shards listed by ``model.safetensors.index.json``).
 
 The forward, per round (n committed positions, anchor x_0 at position n, b = ``block_size``):
 
@@ -18,11 +18,18 @@ The forward, per round (n committed positions, anchor x_0 at position n, b = ``b
   causal mask, to every slot; final norm → h [b, H] → base logits lm_head(h);
 - slot k predicts the token at n+k+1: logits_k + markov_w2(markov_w1[x_{k-1}]) (greedy x_k),
   confidence logit proj([h_k ; markov_w1[x_{k-1}]]) (or proj(h_k) without the Markov input).
+- without a confidence head (``enable_confidence_head`` false), slot k's confidence is the draft
+  distribution's largest probability, softmax(logits_k + bias_k).max(), as a logit: like the
+  head's it is known before x_k is drawn, and the scheduler's online offset calibrates it.
+- a reduced draft vocabulary (``draft_vocab_size`` < ``vocab_size``, the speculators / EAGLE-3
+  convention llama.cpp's converter accepts): ``lm_head`` and ``markov_w2`` have ``draft_vocab_size``
+  rows, an int64 tensor ``d2t`` maps draft index i to target id i + d2t[i] (``t2d``, if present,
+  is ignored), and ``markov_w1`` stays indexed by target id (the anchor may lie outside the draft
+  vocabulary).
 
-Supported: Qwen3 layers, the vanilla Markov head or none, a confidence head, the full
-vocabulary. Refused by name (nothing written): the gated and rnn Markov heads, checkpoints
-without a confidence head, reduced draft vocabularies (``draft_vocab_size`` / ``d2t``), RoPE
-scaling, sliding-window layers, other architectures.
+Supported: Qwen3 layers, the vanilla Markov head or none, a confidence head or none, the full or
+a ``d2t`` draft vocabulary. Refused by name (nothing written): the gated and rnn Markov heads,
+RoPE scaling, sliding-window layers, other architectures.
 """
 
 from __future__ import annotations
@@ -70,6 +77,12 @@ class DeepSpecConfig:
     num_target_layers: int
     markov_rank: int  # 0: no Markov head
     confidence_with_markov: bool
+    confidence_head: bool = True  # False: the draft distribution's largest probability stands in
+    draft_vocab_size: int = 0  # 0: the full vocabulary; else rows of lm_head / markov_w2, mapped by d2t
+
+    @property
+    def draft_rows(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -115,13 +128,12 @@ def read_config(folder: Path) -> DeepSpecConfig:
         raise ExportError(f"{path}: markov_head_type {mtype!r} is not supported (the vanilla Markov head is: "
                           "its step is a table lookup the runtime does outside the graph; the gated and rnn "
                           "heads read the backbone state)")
-    if not _field(raw, "enable_confidence_head", bool, path):
-        raise ExportError(f"{path}: this drafter has no confidence head (enable_confidence_head false); "
-                          "the scheduler needs per-slot confidences, and drafters without the head are not "
-                          "supported yet")
-    if raw.get("draft_vocab_size") not in (None, raw.get("vocab_size")) or "d2t" in raw:
-        raise ExportError(f"{path}: a reduced draft vocabulary (draft_vocab_size {raw.get('draft_vocab_size')}) "
-                          "is not supported yet; export the drafter with the full vocabulary")
+    with_head = _field(raw, "enable_confidence_head", bool, path)
+    vocab = _field(raw, "vocab_size", int, path, low=2)
+    draft_vocab = _field({"draft_vocab_size": raw.get("draft_vocab_size") or vocab}, "draft_vocab_size", int, path,
+                         low=1)
+    if draft_vocab > vocab:
+        raise ExportError(f"{path}: draft_vocab_size {draft_vocab} exceeds vocab_size {vocab}")
     scaling = raw.get("rope_scaling") or (raw.get("rope_parameters") or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
     if rope_type not in (None, "default"):
@@ -145,14 +157,15 @@ def read_config(folder: Path) -> DeepSpecConfig:
         hidden_size=hidden, num_layers=_field(raw, "num_hidden_layers", int, path, low=1), num_heads=heads,
         num_kv_heads=kv, head_dim=_field(raw, "head_dim", int, path, low=2, default=hidden // heads),
         intermediate_size=_field(raw, "intermediate_size", int, path, low=1),
-        vocab_size=_field(raw, "vocab_size", int, path, low=2),
+        vocab_size=vocab,
         rms_eps=_field(raw, "rms_norm_eps", float, path, low=0),
         rope_theta=_field({"rope_theta": theta}, "rope_theta", float, path, low=1),
         attention_bias=_field(raw, "attention_bias", bool, path, default=False),
         block_size=_field(raw, "block_size", int, path, low=1),
         mask_token_id=_field(raw, "mask_token_id", int, path, low=0),
         target_layer_ids=tuple(ids), num_target_layers=n_target, markov_rank=rank,
-        confidence_with_markov=rank > 0 and _field(raw, "confidence_head_with_markov", bool, path))
+        confidence_with_markov=with_head and rank > 0 and _field(raw, "confidence_head_with_markov", bool, path),
+        confidence_head=with_head, draft_vocab_size=0 if draft_vocab == vocab else draft_vocab)
     if cfg.head_dim % 2:
         raise ExportError(f"{path}: head_dim {cfg.head_dim} is odd; RoPE needs an even head size")
     if cfg.mask_token_id >= cfg.vocab_size:
@@ -190,13 +203,16 @@ def check_against_target(cfg: DeepSpecConfig, manifest, engine: Path, folder: Pa
 
 def expected_shapes(cfg: DeepSpecConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of this config holds, by DeepSpec's state-dict key."""
-    h, d, v, r = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.markov_rank
+    h, d, v, r, vd = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.markov_rank, cfg.draft_rows
     shapes = {"embed_tokens.weight": (v, h), "fc.weight": (h, h * len(cfg.target_layer_ids)),
-              "hidden_norm.weight": (h,), "norm.weight": (h,), "lm_head.weight": (v, h),
-              "confidence_head.proj.weight": (1, h + (r if cfg.confidence_with_markov else 0)),
-              "confidence_head.proj.bias": (1,)}
+              "hidden_norm.weight": (h,), "norm.weight": (h,), "lm_head.weight": (vd, h)}
+    if cfg.confidence_head:
+        shapes |= {"confidence_head.proj.weight": (1, h + (r if cfg.confidence_with_markov else 0)),
+                   "confidence_head.proj.bias": (1,)}
+    if cfg.draft_vocab_size:
+        shapes["d2t"] = (vd,)
     if r:
-        shapes |= {"markov_head.markov_w1.weight": (v, r), "markov_head.markov_w2.weight": (v, r)}
+        shapes |= {"markov_head.markov_w1.weight": (v, r), "markov_head.markov_w2.weight": (vd, r)}
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         proj = {"q_proj": (cfg.num_heads * d, h), "k_proj": (cfg.num_kv_heads * d, h),
@@ -249,8 +265,8 @@ def read_weights(folder: Path, cfg: DeepSpecConfig) -> dict:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
                     name = key.removeprefix("model.") if key.startswith("model.") and key not in want else key
-                    if name.endswith("rotary_emb.inv_freq"):
-                        continue  # derived from the config; never read
+                    if name.endswith("rotary_emb.inv_freq") or name == "t2d":
+                        continue  # derived from the config or from d2t; never read
                     tensors[name] = f.get_tensor(key)
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise ExportError(f"{path} cannot be read as safetensors ({exc}); it is damaged or truncated: "
@@ -265,12 +281,41 @@ def read_weights(folder: Path, cfg: DeepSpecConfig) -> dict:
     for name, shape in want.items():
         if tuple(tensors[name].shape) != shape:
             raise ExportError(f"{folder}: {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}")
+        if name == "d2t":
+            tensors[name] = draft_ids(folder, tensors[name], cfg)
+            continue
         if not tensors[name].is_floating_point():
             raise ExportError(f"{folder}: {name} holds {tensors[name].dtype}, not floating-point weights")
         tensors[name] = tensors[name].to(torch.float32)
         if not bool(torch.isfinite(tensors[name]).all()):
             raise ExportError(f"{folder}: {name} holds NaN or infinite values")
     return tensors
+
+
+def draft_ids(folder: Path, d2t, cfg: DeepSpecConfig):
+    """The target ids of the draft vocabulary (i + d2t[i]), checked: integers, inside the
+    vocabulary, no id twice."""
+    import torch
+
+    if d2t.is_floating_point() or d2t.dtype == torch.bool:
+        raise ExportError(f"{folder}: d2t holds {d2t.dtype}; it must hold integer offsets (target id = i + d2t[i])")
+    ids = d2t.to(torch.int64) + torch.arange(d2t.shape[0])
+    if bool(((ids < 0) | (ids >= cfg.vocab_size)).any()):
+        raise ExportError(f"{folder}: d2t maps draft tokens outside the target's vocabulary of {cfg.vocab_size}")
+    if torch.unique(ids).numel() != ids.numel():
+        raise ExportError(f"{folder}: d2t maps two draft tokens to the same target id")
+    return ids
+
+
+def max_probability_logit(logits):
+    """log(p / (1 - p)) of a distribution's largest probability p = softmax(logits).max(): the
+    confidence of a drafter without a confidence head (float64, p kept inside [1e-12, 1 - 1e-12])."""
+    import numpy as np
+
+    x = np.asarray(logits, dtype=np.float64)
+    p = 1.0 / np.exp(x - x.max()).sum()
+    p = min(max(p, 1e-12), 1.0 - 1e-12)
+    return math.log(p) - math.log1p(-p)
 
 
 # --- the reference forward, written from the format (independent of model.py) ------------------
@@ -300,7 +345,7 @@ class Reference:
 
     def propose(self, features, anchor: int, slots: int | None = None):
         """features [n, F] (every context position's target features), anchor the token at n →
-        (greedy drafts [b], confidence logits [b]) as numpy arrays."""
+        (greedy drafts [b] as target ids, confidence logits [b]) as numpy arrays."""
         import torch
         import torch.nn.functional as F
 
@@ -323,18 +368,21 @@ class Reference:
             h = _rms(x, t["norm.weight"], cfg.rms_eps)
             logits = h @ t["lm_head.weight"].T
             drafts, conf = [], []
-            prev = anchor
-            w = t["confidence_head.proj.weight"][0]
+            prev = anchor  # a target id: markov_w1 has a row for every token
+            to_target = t["d2t"] if cfg.draft_vocab_size else torch.arange(cfg.vocab_size)
             for k in range(b):
-                step = logits[k]
+                step = logits[k]  # [draft rows]
                 feat = h[k]
                 if cfg.markov_rank:
                     row = t["markov_head.markov_w1.weight"][prev]
                     step = step + t["markov_head.markov_w2.weight"] @ row
                     if cfg.confidence_with_markov:
                         feat = torch.cat([h[k], row])
-                conf.append(float(w @ feat + t["confidence_head.proj.bias"][0]))
-                prev = int(step.argmax())
+                if cfg.confidence_head:
+                    conf.append(float(t["confidence_head.proj.weight"][0] @ feat + t["confidence_head.proj.bias"][0]))
+                else:
+                    conf.append(max_probability_logit(step.numpy()))
+                prev = int(to_target[int(step.argmax())])
                 drafts.append(prev)
         import numpy as np
 
@@ -365,8 +413,10 @@ class Reference:
 # --- conversion into this project's drafter -----------------------------------------------------
 def to_draft_model(cfg: DeepSpecConfig, tensors: dict):
     """This project's ``DSparkDraft`` computing the checkpoint's forward: the full vocabulary
-    as the draft vocabulary, the mask slot's embedding as the learned mask embedding, a zero
-    Markov row for the (never used) outside-the-vocabulary index."""
+    (or d2t's ids) as the draft vocabulary, the mask slot's embedding as the learned mask
+    embedding, a zero Markov row for the outside-the-vocabulary index (an anchor outside a d2t
+    vocabulary reads its own ``markov_w1`` row: ``anchor_table``), a zero confidence head when
+    the checkpoint has none (the runtime then uses ``max_probability_logit``)."""
     import torch
 
     from .model import DraftConfig, DSparkDraft
@@ -375,11 +425,13 @@ def to_draft_model(cfg: DeepSpecConfig, tensors: dict):
     dcfg = DraftConfig(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                        head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
                        feature_layers=cfg.feature_layers, rms_eps=cfg.rms_eps, rope_theta=cfg.rope_theta,
-                       slots=cfg.block_size, draft_vocab=cfg.vocab_size, markov_rank=r, qk_norm=True,
+                       slots=cfg.block_size, draft_vocab=cfg.draft_rows, markov_rank=r, qk_norm=True,
                        attention_bias=cfg.attention_bias)
     t = tensors
-    model = DSparkDraft(dcfg, t["embed_tokens.weight"], t["lm_head.weight"], torch.arange(cfg.vocab_size),
-                        t["norm.weight"])
+    ids = t["d2t"] if cfg.draft_vocab_size else torch.arange(cfg.vocab_size)
+    head = torch.zeros(cfg.vocab_size, cfg.hidden_size)
+    head[ids] = t["lm_head.weight"]  # DSparkDraft keeps the draft vocabulary's rows of a full head
+    model = DSparkDraft(dcfg, t["embed_tokens.weight"], head, ids, t["norm.weight"])
     state = {"fc.weight": t["fc.weight"], "ctx_norm.weight": t["hidden_norm.weight"],
              "mask_embed": t["embed_tokens.weight"][cfg.mask_token_id], "norm.weight": t["norm.weight"]}
     names = {"in_norm": "input_layernorm", "post_norm": "post_attention_layernorm", "q": "self_attn.q_proj",
@@ -394,17 +446,27 @@ def to_draft_model(cfg: DeepSpecConfig, tensors: dict):
                     state[f"layers.{i}.{ours}.{part}"] = t[key]
     zeros_row = torch.zeros(1, r)
     if cfg.markov_rank:
-        state["markov_in.weight"] = torch.cat([t["markov_head.markov_w1.weight"], zeros_row])
+        state["markov_in.weight"] = torch.cat([t["markov_head.markov_w1.weight"][ids], zeros_row])
         state["markov_out.weight"] = t["markov_head.markov_w2.weight"]
     else:
-        state["markov_in.weight"] = torch.zeros(cfg.vocab_size + 1, r)
-        state["markov_out.weight"] = torch.zeros(cfg.vocab_size, r)
-    w = t["confidence_head.proj.weight"]
+        state["markov_in.weight"] = torch.zeros(cfg.draft_rows + 1, r)
+        state["markov_out.weight"] = torch.zeros(cfg.draft_rows, r)
+    w = t["confidence_head.proj.weight"] if cfg.confidence_head else torch.zeros(1, cfg.hidden_size)
     state["conf.weight"] = w if cfg.confidence_with_markov else torch.cat([w, torch.zeros(1, r)], 1)
-    state["conf.bias"] = t["confidence_head.proj.bias"]
-    state["vocab_ids"] = torch.arange(cfg.vocab_size)
+    state["conf.bias"] = t["confidence_head.proj.bias"] if cfg.confidence_head else torch.zeros(1)
+    state["vocab_ids"] = ids
     model.load_state_dict(state, strict=True)
     return model.eval()
+
+
+def anchor_table(cfg: DeepSpecConfig, tensors: dict):
+    """markov_w1 [V, r] (FP16) when a d2t vocabulary leaves anchors outside it, whose Markov rows
+    the draft-vocabulary table lacks; None otherwise."""
+    import numpy as np
+
+    if not (cfg.draft_vocab_size and cfg.markov_rank):
+        return None
+    return tensors["markov_head.markov_w1.weight"].numpy().astype(np.float16)
 
 
 def load(folder: Path, manifest, engine: Path):

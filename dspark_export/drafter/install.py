@@ -93,25 +93,31 @@ def _validate(model, graph: Path, cfg, ids: list[int], feats: np.ndarray) -> dic
     return {"max_abs_logit_diff": worst_l, "top1_agreement": float(np.mean(top1)), "rounds": len(cuts)}
 
 
-def _deepspec_rounds(reference, model, ids: list[int], feats: np.ndarray) -> dict:
-    """The converted model's full-block rounds (PyTorch, this project's forward and sequential
-    step) against the DeepSpec reference over real features: drafts and confidences agree."""
+def _deepspec_rounds(reference, model, tab: dict, ids: list[int], feats: np.ndarray) -> dict:
+    """The converted model's full-block rounds (PyTorch, this project's forward and the
+    runtime's sequential step over the installed ``tab``les) against the DeepSpec reference over
+    real features: drafts and confidences agree."""
     import torch
 
     from dspark_edge.drafters.dspark import sequential_step
 
-    from .onnx_export import reference_round, tables
+    from .onnx_export import reference_round
 
-    tab = tables(model)
     b = reference.cfg.block_size
+    vocab_ids = tab["vocab_ids"]
+    to_draft = np.full(reference.cfg.vocab_size, vocab_ids.size, dtype=np.int64)
+    to_draft[vocab_ids] = np.arange(vocab_ids.size)
+    conf_w = tab["conf_w"].astype(np.float64) if reference.cfg.confidence_head else None
     cuts = list(range(min(37, len(ids) - 1), len(ids) - 1, 5))
     same, worst = 0, 0.0
     for cut in cuts:
-        want, conf = reference.propose(feats[:cut], int(ids[cut]))
-        u, h = reference_round(model, torch.from_numpy(feats[:cut]), int(ids[cut]), cut, b)
-        got, z = sequential_step(u, h, int(ids[cut]), tab["markov_in"], tab["markov_out"],
-                                 tab["conf_w"].astype(np.float64), float(tab["conf_b"][0]),
-                                 lambda j, logits, cand: int(np.argmax(logits)))
+        anchor = int(ids[cut])
+        want, conf = reference.propose(feats[:cut], anchor)
+        u, h = reference_round(model, torch.from_numpy(feats[:cut]), anchor, cut, b)
+        got, z = sequential_step(u, h, int(to_draft[anchor]), tab["markov_in"], tab["markov_out"], conf_w,
+                                 float(tab["conf_b"][0]), lambda j, logits, cand: int(np.argmax(logits)),
+                                 anchor_row=tab["markov_anchor"][anchor] if "markov_anchor" in tab else None)
+        got = vocab_ids[got]
         same += int(np.array_equal(got, want))
         worst = max(worst, float(np.abs(z - conf).max()))
     return {"rounds": len(cuts), "drafts_identical": same, "max_abs_confidence_logit_diff": worst}
@@ -123,15 +129,19 @@ def _load_deepspec(target_engine: Path, weights: Path, manifest):
     cfg, tensors, model = deepspec.load(weights, manifest, target_engine)
     digest = deepspec.fingerprint(weights)
     slots = cfg.block_size
+    source = ("none: a DeepSpec checkpoint's confidences are used as trained (T = 1, b = 0 at every slot); "
+              "the scheduler's online offset still applies" if cfg.confidence_head else
+              "none: the checkpoint has no confidence head; each slot's confidence is the largest probability "
+              "of its draft distribution (T = 1, b = 0), calibrated online by the scheduler's offset")
     meta = {"provenance": {"weights": str(weights), "format": f"DeepSpec {deepspec.ARCHITECTURE}",
                            "training_data": "unknown (an imported DeepSpec checkpoint)", "training_steps": "unknown",
                            "weights_sha256": digest, "deepspec_target_layer_ids": json.dumps(list(cfg.target_layer_ids)),
                            "mask_token_id": str(cfg.mask_token_id)},
             "temperatures": [1.0] * slots, "biases": [0.0] * slots,
-            "calibration": {"source": "none: a DeepSpec checkpoint's confidences are used as trained "
-                                      "(T = 1, b = 0 at every slot); the scheduler's online offset still applies",
-                            "temperatures": [1.0] * slots, "biases": [0.0] * slots}}
-    return model, deepspec.Reference(cfg, tensors), digest, meta
+            "calibration": {"source": source, "temperatures": [1.0] * slots, "biases": [0.0] * slots},
+            "confidence": "head" if cfg.confidence_head else "draft_probability"}
+    anchors = deepspec.anchor_table(cfg, tensors)
+    return model, deepspec.Reference(cfg, tensors), digest, meta, {} if anchors is None else {"markov_anchor": anchors}
 
 
 def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] | None = None,
@@ -152,13 +162,14 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
     target_widths = set(manifest.widths("target", manifest.precisions()[0]))
     if imported:
         progress(f"[1/3] reading the DeepSpec checkpoint {weights}")
-        model, reference, digest, meta = _load_deepspec(target_engine, weights, manifest)
+        model, reference, digest, meta, extra_tables = _load_deepspec(target_engine, weights, manifest)
         slots = model.cfg.slots
         if blocks is None:
             blocks = tuple(sorted(w for w in target_widths if 2 <= w <= slots + 1))
     else:
         meta, slots = _check_trained(target_engine, weights, manifest)
         blocks = (4, 8) if blocks is None else blocks
+        extra_tables = {}
     if not blocks or any(b < 2 or b - 1 > slots for b in blocks):
         raise ExportError(f"block sizes must be in [2, {slots + 1}] for a drafter of {slots} slots, "
                           f"got {list(blocks)}")
@@ -186,8 +197,9 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
     try:
         progress(f"[2/3] exporting the graph ({', '.join(precisions)}) and tables")
         report = {}
+        tab = tables(model) | extra_tables
         if reference is not None:
-            report["deepspec"] = _deepspec_rounds(reference, model, ids, feats)
+            report["deepspec"] = _deepspec_rounds(reference, model, tab, ids, feats)
             rep = report["deepspec"]
             if rep["drafts_identical"] < rep["rounds"] or rep["max_abs_confidence_logit_diff"] > 1e-3:
                 raise ExportError(f"the converted drafter differs from the DeepSpec forward ({rep}); not installing it")
@@ -207,7 +219,7 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
             report["fp16"] = _validate(model, stage / "fp16" / "model.onnx", cfg, ids, feats)
         if "fp32" not in precisions:
             shutil.rmtree(stage / "fp32")
-        np.savez(stage / "tables.npz", **tables(model))
+        np.savez(stage / "tables.npz", **tab)
         np.save(stage / "embedding.npy", model.embed.numpy().astype(np.float16))
         if imported:
             (stage / "calibration.json").write_text(json.dumps(meta["calibration"], indent=1) + "\n")
@@ -241,7 +253,7 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
     info = DrafterInfo(kind="dspark", slots=slots, draft_vocab=cfg.draft_vocab, markov_rank=cfg.markov_rank,
                        num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                        feature_layers=tuple(cfg.feature_layers), temperatures=tuple(meta["temperatures"]),
-                       biases=tuple(meta.get("biases", ())),
+                       biases=tuple(meta.get("biases", ())), confidence=meta.get("confidence", "head"),
                        tables=rel("tables.npz"), embedding=rel("embedding.npy"),
                        provenance=provenance)
     new = dataclasses.replace(manifest, variants=tuple(variants), files=tuple(keep_files + new_files), drafter=info)
