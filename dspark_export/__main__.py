@@ -112,7 +112,24 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--markov-rank", type=int, default=128, help="Markov head rank (default: %(default)s)")
     tr.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: %(default)s)")
     tr.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default: %(default)s)")
+    tr.add_argument("--mask-token-id", type=int, default=None,
+                    help="the token whose embedding row carries the mask slot in the DeepSpec checkpoint written "
+                         "to OUTPUT/deepspec (default: the highest special token outside the chat template)")
     tr.add_argument("-v", "--verbose", action="store_true", help="log details")
+
+    ds = sub.add_parser("deepspec", help="write a drafter trained here as a DeepSpec checkpoint (for vLLM, SGLang, "
+                                         "llama.cpp)",
+                        description="Write a drafter folder from `train-drafter` in DeepSpec's Qwen3DSparkModel "
+                                    "format (config.json, model.safetensors) with its calibration beside it; "
+                                    "train-drafter already writes one to OUTPUT/deepspec.")
+    ds.add_argument("--target", type=Path, required=True, help="the target's engine folder")
+    ds.add_argument("--weights", type=Path, required=True, help="drafter folder from `train-drafter`")
+    ds.add_argument("--output", type=Path, required=True, help="checkpoint folder to write (replaced atomically)")
+    ds.add_argument("--source", default="default", help="the target's source (for its embeddings, LM head and config)")
+    ds.add_argument("--mask-token-id", type=int, default=None,
+                    help="the token whose embedding row carries the mask slot (default: the highest special token "
+                         "outside the chat template)")
+    ds.add_argument("-v", "--verbose", action="store_true", help="log details")
 
     dr = sub.add_parser("drafter", help="add a DSpark drafter (trained here, or a DeepSpec checkpoint) to its target's "
                              "engine folder",
@@ -244,8 +261,14 @@ def main(argv: list[str] | None = None) -> int:
                 prompts=args.prompts, max_new_tokens=args.max_new_tokens, text_tokens=args.text_tokens,
                 copy_prompts=args.copy_prompts, answers=args.answers,
                 layers=args.layers, slots=args.slots,
-                draft_vocab=args.draft_vocab, markov_rank=args.markov_rank, steps=args.steps, lr=args.lr),
+                draft_vocab=args.draft_vocab, markov_rank=args.markov_rank, steps=args.steps, lr=args.lr,
+                mask_token_id=args.mask_token_id),
                 progress=progress)
+            return 0
+        if args.command == "deepspec":
+            from .drafter.deepspec_export import export_trained
+
+            export_trained(args.weights, args.target, args.output, args.source, args.mask_token_id, progress)
             return 0
         if args.command == "trt":
             if args.plan:

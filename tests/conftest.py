@@ -106,3 +106,24 @@ def tiny_portable(tmp_path_factory, tiny_hf) -> Path:
     export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("fp32", "fp16", "int8"),
                                 widths=TINY_WIDTHS, graph="portable"))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_with_drafter(tmp_path_factory, tiny_hf, tiny_engine):
+    """A tiny drafter trained by train-drafter (200-token draft vocabulary) and installed."""
+    import shutil
+
+    from dspark_export.drafter.build import TrainDrafterOptions, train_drafter
+    from dspark_export.drafter.install import install_drafter
+
+    root = tmp_path_factory.mktemp("dspark")
+    engine = root / "engine"
+    shutil.copytree(tiny_engine, engine)
+    msgs = []
+    weights = train_drafter(TrainDrafterOptions(
+        target_engine=engine, output=root / "weights", work=root / "work", source=str(tiny_hf), prompts=10,
+        max_new_tokens=24, text_tokens=300, copy_prompts=4, layers=1, slots=3, draft_vocab=200, markov_rank=8,
+        steps=8, seqs_per_step=4, anchors=6), progress=msgs.append)
+    install_drafter(engine, weights, blocks=(2, 4), precisions=("fp32", "int8", "fp16"), source=str(tiny_hf),
+                    progress=msgs.append)
+    return engine, weights, msgs

@@ -210,24 +210,6 @@ def test_onnx_round_matches_pytorch_at_long_context(tmp_path):
     assert n > 700 and past["past_key.0"].shape[1] == n
 
 
-@pytest.fixture(scope="module")
-def tiny_with_drafter(tmp_path_factory, tiny_hf, tiny_engine):
-    from dspark_export.drafter.build import TrainDrafterOptions, train_drafter
-    from dspark_export.drafter.install import install_drafter
-
-    root = tmp_path_factory.mktemp("dspark")
-    engine = root / "engine"
-    shutil.copytree(tiny_engine, engine)
-    msgs = []
-    weights = train_drafter(TrainDrafterOptions(
-        target_engine=engine, output=root / "weights", work=root / "work", source=str(tiny_hf), prompts=10,
-        max_new_tokens=24, text_tokens=300, copy_prompts=4, layers=1, slots=3, draft_vocab=200, markov_rank=8,
-        steps=8, seqs_per_step=4, anchors=6), progress=msgs.append)
-    install_drafter(engine, weights, blocks=(2, 4), precisions=("fp32", "int8", "fp16"), source=str(tiny_hf),
-                    progress=msgs.append)
-    return engine, weights, msgs
-
-
 def test_train_and_install_write_a_complete_drafter(tiny_with_drafter):
     from dspark_edge.manifest import read_manifest, verify_files
 

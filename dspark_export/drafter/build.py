@@ -46,6 +46,7 @@ class TrainDrafterOptions:
     anchors: int = 40
     lr: float = 6e-4
     seed: int = 0
+    mask_token_id: int | None = None  # the DeepSpec checkpoint's mask token; None: default_mask_token
 
     def __post_init__(self) -> None:
         for name in ("prompts", "max_new_tokens", "layers", "slots", "draft_vocab", "markov_rank", "steps",
@@ -58,6 +59,14 @@ class TrainDrafterOptions:
         if not (self.target_engine / "manifest.json").is_file():
             raise ExportError(f"{self.target_engine} is not an engine folder (no manifest.json); export the target "
                               "first with `python -m export target`")
+
+
+def default_mask(target_engine: Path, manifest) -> int:
+    from dspark_edge.tokenizer import Tokenizer
+
+    from .deepspec_export import default_mask_token
+
+    return default_mask_token(Tokenizer.from_engine(target_engine, manifest), manifest.tokenizer.eos_ids)
 
 
 def init_from_target(model, target) -> None:
@@ -77,7 +86,8 @@ def init_from_target(model, target) -> None:
 
 
 def draft_config(target, feature_layers, layers: int, slots: int, draft_vocab: int, markov_rank: int):
-    """A DraftConfig with the target's layer shape (``target``: the HF model)."""
+    """A DraftConfig with the target's layer shape (``target``: the HF model) and DeepSpec's Qwen3
+    layers (per-head q/k norms), so the drafter writes in DeepSpec's format."""
     from .model import DraftConfig
 
     c = target.config
@@ -85,7 +95,7 @@ def draft_config(target, feature_layers, layers: int, slots: int, draft_vocab: i
                        head_dim=c.hidden_size // c.num_attention_heads, intermediate_size=c.intermediate_size,
                        num_layers=layers, feature_layers=tuple(feature_layers), rms_eps=c.rms_norm_eps,
                        rope_theta=float(c.rope_parameters["rope_theta"]), slots=slots, draft_vocab=draft_vocab,
-                       markov_rank=markov_rank)
+                       markov_rank=markov_rank, qk_norm=True)
 
 
 def build_model(cfg, target, vocab_ids: np.ndarray):
@@ -245,6 +255,14 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
                      "minutes_this_run": round((time.perf_counter() - t0) / 60, 1)},
     }
     save_drafter(model, stage, meta)
+    from .deepspec_export import DEEPSPEC_DIR, write_deepspec
+
+    write_deepspec(model, target.config.to_dict(), stage / DEEPSPEC_DIR, mask_token_id=opts.mask_token_id
+                   if opts.mask_token_id is not None else default_mask(opts.target_engine, manifest),
+                   anchors=opts.anchors, temperatures=meta["temperatures"], biases=meta["biases"],
+                   provenance={"target": meta["target"], "training_data": meta["training"]["data"],
+                               "training_steps": result["steps"]})
+    progress(f"      DeepSpec checkpoint: {opts.output / DEEPSPEC_DIR}")
     if opts.output.exists():
         old = opts.output.parent / f".{opts.output.name}.old"
         shutil.rmtree(old, ignore_errors=True)

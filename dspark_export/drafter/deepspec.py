@@ -43,6 +43,7 @@ from dspark_edge.errors import ExportError
 
 ARCHITECTURE = "Qwen3DSparkModel"
 CONFIG = "config.json"
+CALIBRATION = "dspark_calibration.json"  # this project's side file: per-position temperatures and biases
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -467,6 +468,30 @@ def anchor_table(cfg: DeepSpecConfig, tensors: dict):
     if not (cfg.draft_vocab_size and cfg.markov_rank):
         return None
     return tensors["markov_head.markov_w1.weight"].numpy().astype(np.float16)
+
+
+def read_calibration(folder: Path, cfg: DeepSpecConfig) -> tuple[list[float], list[float]] | None:
+    """The per-position temperatures and biases of ``dspark_calibration.json`` beside a checkpoint
+    (written by ``python -m export deepspec``), checked; None when there is none."""
+    path = Path(folder) / CALIBRATION
+    if not path.is_file():
+        return None
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ValueError("too large")
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        temps, biases = [float(t) for t in raw["temperatures"]], [float(b) for b in raw["biases"]]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise ExportError(f"{path} is not a calibration file ({exc}); remove it to use the confidences as "
+                          "trained") from exc
+    if not cfg.confidence_head:
+        raise ExportError(f"{path} calibrates a confidence head, but {folder} has none; remove the file")
+    if len(temps) != cfg.block_size or len(biases) != cfg.block_size:
+        raise ExportError(f"{path} holds {len(temps)} temperatures and {len(biases)} biases for a block of "
+                          f"{cfg.block_size}; it belongs to another drafter")
+    if not all(math.isfinite(t) and t > 0 for t in temps) or not all(math.isfinite(b) for b in biases):
+        raise ExportError(f"{path}: temperatures must be positive and finite, biases finite")
+    return temps, biases
 
 
 def load(folder: Path, manifest, engine: Path):

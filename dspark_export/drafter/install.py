@@ -133,12 +133,17 @@ def _load_deepspec(target_engine: Path, weights: Path, manifest):
               "the scheduler's online offset still applies" if cfg.confidence_head else
               "none: the checkpoint has no confidence head; each slot's confidence is the largest probability "
               "of its draft distribution (T = 1, b = 0), calibrated online by the scheduler's offset")
+    temps, biases = [1.0] * slots, [0.0] * slots
+    side = deepspec.read_calibration(weights, cfg)
+    if side is not None:
+        temps, biases = side
+        source = f"{deepspec.CALIBRATION} beside the checkpoint (fitted where the drafter was trained)"
     meta = {"provenance": {"weights": str(weights), "format": f"DeepSpec {deepspec.ARCHITECTURE}",
                            "training_data": "unknown (an imported DeepSpec checkpoint)", "training_steps": "unknown",
                            "weights_sha256": digest, "deepspec_target_layer_ids": json.dumps(list(cfg.target_layer_ids)),
                            "mask_token_id": str(cfg.mask_token_id)},
-            "temperatures": [1.0] * slots, "biases": [0.0] * slots,
-            "calibration": {"source": source, "temperatures": [1.0] * slots, "biases": [0.0] * slots},
+            "temperatures": temps, "biases": biases,
+            "calibration": {"source": source, "temperatures": temps, "biases": biases},
             "confidence": "head" if cfg.confidence_head else "draft_probability"}
     anchors = deepspec.anchor_table(cfg, tensors)
     return model, deepspec.Reference(cfg, tensors), digest, meta, {} if anchors is None else {"markov_anchor": anchors}
