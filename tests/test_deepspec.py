@@ -154,7 +154,6 @@ def test_d2t_vocabularies_and_drafters_without_a_confidence_head(tiny_engine, ti
     ("twice", "same target id"),
 ])
 def test_a_bad_d2t_table_is_refused_with_nothing_written(tiny_hf, engine_copy, tmp_path, damage, message):
-    import torch
     from safetensors.torch import load_file, save_file
 
     from dspark_edge.errors import ExportError

@@ -27,7 +27,6 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
 
 from dspark_edge.errors import ExportError
 
