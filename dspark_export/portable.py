@@ -1,4 +1,5 @@
-"""The portable decoder graph: standard ONNX operators only, for TensorRT and GPU providers.
+"""The portable decoder graph: standard ONNX operators only, for TensorRT and GPU providers
+(Llama, Mistral, Qwen2 and Qwen3 decoders).
 
 onnxruntime-genai's fused graph (the default ``--graph fused``) uses ONNX Runtime contrib
 operators (GroupQueryAttention, SkipSimplifiedLayerNormalization, MatMulNBits) that TensorRT
@@ -41,6 +42,7 @@ PORTABLE_IO = GraphIO(input_ids="input_ids", attention_mask=None,
                       present_key="new_key.{layer}", present_value="new_value.{layer}",
                       logits="logits", hidden_states="hidden_states", kv_layout="append")
 PORTABLE_PRECISIONS = ("fp32", "fp16", "int8")
+PORTABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_type
 OPSET = 17
 # A masked score: far below any real attention score, still finite in float16.
 MASKED = -30000.0
@@ -53,6 +55,7 @@ def _decoder_module(model, info: ModelInfo, hidden_layers: tuple[int, ...]):
     heads, kv_heads, head_dim = info.num_heads, info.num_kv_heads, info.head_dim
     rep = heads // kv_heads
     exposed = set(hidden_layers)
+    qk_norm = hasattr(model.model.layers[0].self_attn, "q_norm")
 
     def rotate_half(x):
         half = x.shape[-1] // 2
@@ -83,6 +86,8 @@ def _decoder_module(model, info: ModelInfo, hidden_layers: tuple[int, ...]):
                 q = att.q_proj(h).reshape(1, s, heads, head_dim)
                 k = att.k_proj(h).reshape(1, s, kv_heads, head_dim)
                 v = att.v_proj(h).reshape(1, s, kv_heads, head_dim)
+                if qk_norm:  # Qwen3: each head's queries and keys RMS-normed before RoPE
+                    q, k = att.q_norm(q), att.k_norm(k)
                 q = q * cos + rotate_half(q) * sin
                 k = k * cos + rotate_half(k) * sin
                 new_kv += [k, v]
@@ -113,11 +118,13 @@ def io_names(num_layers: int, hidden: bool = True) -> tuple[list[str], list[str]
 
 
 def check_supported(model) -> None:
-    """The portable graph re-implements the Llama-family decoder; refuse anything else early."""
+    """The portable graph re-implements the Llama-family decoder (and Qwen3's per-head q/k
+    norms); refuse anything else early."""
     cfg = model.config
-    if cfg.model_type not in ("llama", "mistral", "qwen2"):
-        raise ExportError(f"--graph portable supports Llama-family decoders (llama, mistral, qwen2), not "
-                          f"{cfg.model_type!r}; export with --graph fused")
+    if cfg.model_type not in PORTABLE_FAMILIES:
+        raise ExportError(f"--graph portable supports the decoders {', '.join(PORTABLE_FAMILIES)}, not "
+                          f"{cfg.model_type!r}; export with --graph fused (onnxruntime-genai's builder) where "
+                          "it has a builder for it")
     if getattr(cfg, "sliding_window", None) and cfg.model_type != "llama" and getattr(cfg, "use_sliding_window", True):
         raise ExportError("--graph portable has no sliding-window attention; export with --graph fused")
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):

@@ -320,7 +320,8 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
                 say(f"      {precision} graph built in {time.perf_counter() - t0:.1f}s")
         say(f"[{next(n)}/{steps}] writing tokenizer and chat template")
         gen_cfg = getattr(model, "generation_config", None)
-        tok_info = write_tokenizer(hf_tok, config, stage, gen_cfg)
+        own = source.path / "tokenizer.json" if source.kind == "hf" else None
+        tok_info = write_tokenizer(hf_tok, config, stage, gen_cfg, source_file=own)
         graph_io = PORTABLE_IO if options.graph == "portable" else GRAPH_IO
         say(f"[{next(n)}/{steps}] hashing files")
         files = tuple(file_entry(stage, p.relative_to(stage).as_posix())

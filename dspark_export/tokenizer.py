@@ -57,18 +57,49 @@ def special_ids(hf_tokenizer, model_config, generation_config=None) -> Tokenizer
                          bos_id=bos, eos_ids=tuple(eos), pad_id=pad, add_bos=add_bos)
 
 
-def write_tokenizer(hf_tokenizer, model_config, folder: Path, generation_config=None) -> TokenizerInfo:
-    """Write tokenizer.json (and chat_template.jinja) into ``folder``; return the special ids."""
+def write_tokenizer(hf_tokenizer, model_config, folder: Path, generation_config=None,
+                    source_file: Path | None = None) -> TokenizerInfo:
+    """Write tokenizer.json (and chat_template.jinja) into ``folder``; return the special ids.
+
+    ``source_file``: the source's own tokenizer.json (a Hugging Face folder), copied byte for
+    byte: a tokenizer rebuilt by the loading library can differ from it (normalizer,
+    pre-tokenizer, added tokens), and the engine must encode as the model's own files do. The
+    runtime always encodes with add_special_tokens=False and adds BOS itself when ``add_bos``
+    is set, so a post-processor in the file never applies. A source without one (a GGUF file)
+    gets the loaded tokenizer's, with such a post-processor dropped to keep the file
+    unambiguous."""
     info = special_ids(hf_tokenizer, model_config, generation_config)
-    backend = hf_tokenizer.backend_tokenizer
-    data = json.loads(backend.to_str())
-    # The runtime encodes with add_special_tokens=False and adds BOS itself when add_bos is
-    # set; drop a post-processor that would add special tokens to keep the file unambiguous.
-    post = data.get("post_processor")
-    if post and post.get("type") == "TemplateProcessing":
-        data["post_processor"] = None
-    (folder / TOKENIZER_FILE).write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    if source_file is not None and source_file.is_file():
+        _check_same_vocabulary(hf_tokenizer, source_file)
+        (folder / TOKENIZER_FILE).write_bytes(source_file.read_bytes())
+    else:
+        data = json.loads(hf_tokenizer.backend_tokenizer.to_str())
+        post = data.get("post_processor")
+        if post and post.get("type") == "TemplateProcessing":
+            data["post_processor"] = None
+        (folder / TOKENIZER_FILE).write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    if not info.chat_template_file:
+        log.warning("the source has no chat template: chat messages cannot be formatted (generate with plain "
+                    "text prompts, or pass a template with --chat-template / load(chat_template=))")
     if info.chat_template_file:
         (folder / info.chat_template_file).write_text(hf_tokenizer.chat_template, encoding="utf-8")
     log.info("tokenizer: bos=%s add_bos=%s eos=%s pad=%s", info.bos_id, info.add_bos, info.eos_ids, info.pad_id)
     return info
+
+
+def _check_same_vocabulary(hf_tokenizer, source_file: Path) -> None:
+    """The special ids were read through the loaded tokenizer: refuse to pair them with a file
+    whose ids for those tokens differ."""
+    from tokenizers import Tokenizer
+
+    from dspark_edge.errors import ExportError
+
+    try:
+        own = Tokenizer.from_file(str(source_file))
+    except Exception as exc:  # the tokenizers library raises its own exception types
+        raise ExportError(f"{source_file} cannot be read as a tokenizer ({exc})") from exc
+    for token, tid in hf_tokenizer.get_vocab().items():
+        if tid in (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id, hf_tokenizer.pad_token_id) \
+                and own.token_to_id(token) != tid:
+            raise ExportError(f"{source_file} gives {token!r} the id {own.token_to_id(token)}, but the model's "
+                              f"configuration uses {tid}; the folder's tokenizer files disagree")

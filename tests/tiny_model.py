@@ -19,10 +19,12 @@ CORPUS = [
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def make_tiny_hf(folder: Path, seed: int = 0, vocab_size: int = 384, layers: int = 3) -> Path:
+def make_tiny_hf(folder: Path, seed: int = 0, vocab_size: int = 384, layers: int = 3, arch: str = "llama",
+                 chat_template: bool = True) -> Path:
+    """``arch`` "llama", or "qwen3" (per-head q/k norms, an explicit head_dim)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
     tk = Tokenizer(models.BPE())
@@ -33,14 +35,17 @@ def make_tiny_hf(folder: Path, seed: int = 0, vocab_size: int = 384, layers: int
     tk.train_from_iterator(CORPUS, trainer)
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                      unk_token="<|endoftext|>", pad_token="<|im_end|>")
-    hf_tok.chat_template = CHAT_TEMPLATE
+    if chat_template:
+        hf_tok.chat_template = CHAT_TEMPLATE
     hf_tok.save_pretrained(folder)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=tk.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
-    model = LlamaForCausalLM(config).eval()
+    shape = dict(vocab_size=tk.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **shape)).eval()
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
     model.save_pretrained(folder)
     return folder
 
