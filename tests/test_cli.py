@@ -225,7 +225,7 @@ def test_every_option_is_explained():
 
     parser = build_parser()
     subs = next(a for a in parser._actions if a.dest == "command").choices
-    assert set(subs) == {"generate", "chat", "bench", "profile", "inspect", "plot"}
+    assert set(subs) == {"generate", "chat", "serve", "bench", "profile", "inspect", "plot"}
     for name, sub in subs.items():
         for action in sub._actions:
             if action.dest != "help":

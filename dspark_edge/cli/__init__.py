@@ -13,7 +13,7 @@ import logging
 import sys
 
 from .. import __version__
-from . import bench, chat, generate, inspect, plot, profile
+from . import bench, chat, generate, inspect, plot, profile, serve
 from .errors import Terminated, as_flags, on_sigterm, run_reporting_errors
 from .generate import answer, result_json
 from .options import provider_options
@@ -21,7 +21,8 @@ from .options import provider_options
 __all__ = ["Terminated", "answer", "as_flags", "build_parser", "main", "on_sigterm", "provider_options",
            "result_json", "run_reporting_errors"]
 
-COMMANDS = {"generate": generate, "chat": chat, "bench": bench, "profile": profile, "inspect": inspect, "plot": plot}
+COMMANDS = {"generate": generate, "chat": chat, "serve": serve, "bench": bench, "profile": profile, "inspect": inspect,
+            "plot": plot}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,411 @@
+"""An OpenAI-compatible HTTP server over one pipeline (``python -m dspark_edge serve``).
+
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as server-sent
+events with ``"stream": true``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (the
+pipeline's Prometheus counters and the server's own). Built on Starlette; ``serve`` runs it
+with uvicorn.
+
+Requests wait in a bounded queue, in arrival order, and one worker thread decodes them one at
+a time on the pipeline, with its drafter and scheduler: the answers are exactly what
+``Pipeline.generate`` gives for the same request. Several requests are not yet verified in one
+batched target pass. A full queue answers 429; a client that goes away (while queued or while
+its answer streams) cancels its request, which ends after the round in progress; a request
+running past ``request_timeout_s`` ends the same way and is answered 504 (or, mid-stream, with
+an error event). Bad requests get 400 with the field and the fix, in OpenAI's error shape.
+With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
+
+What this module does not know: how the pipeline decodes (it only calls ``stream``), and how
+it is run (``cli/serve.py`` binds it to a host and port).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import GenerationConfig
+from .errors import ConfigError, DSparkError
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1 << 20
+STUCK_S = 60.0  # after a timed-out job's stop, how long its end is awaited
+FINISH = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context_full": "length"}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str  # the id /v1/models lists and responses carry
+    max_queue: int = 8  # requests waiting beyond the one being decoded
+    request_timeout_s: float = 600.0  # queueing and decoding together
+    max_tokens: int = 4096  # the largest max_tokens a request may ask for
+    default_max_tokens: int = 256
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1 or self.request_timeout_s <= 0 or not 1 <= self.default_max_tokens <= self.max_tokens:
+            raise ConfigError("serve: --max-queue must be at least 1, --request-timeout positive, and the default "
+                              "max_tokens between 1 and --max-tokens")
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+# --- request parsing ---------------------------------------------------------------------------
+def _number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or not low <= value <= high:
+        kind = "an integer" if integer else "a number"
+        raise BadRequest(f"'{name}' must be {kind} in [{low}, {high}], got {value!r}", name)
+    return value
+
+
+def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, GenerationConfig, bool]:
+    """(prompt, generation config, stream) of an OpenAI request body, every field it uses checked.
+    Fields it does not use (``model``, ``user``, ``stream_options``, …) are ignored."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
+        prompt = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                    or not isinstance(m.get("content"), str):
+                raise BadRequest(f"messages[{i}] must be {{'role': 'system'|'user'|'assistant', 'content': "
+                                 "a string}} (content parts and tool calls are not supported)", "messages")
+            prompt.append({"role": m["role"], "content": m["content"]})
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise BadRequest("'prompt' must be a non-empty string (one prompt per request)", "prompt")
+    if _number(body, "n", 1, 1, 1, integer=True) != 1:
+        raise BadRequest("'n' must be 1", "n")
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
+        stop = tuple(stop)
+    else:
+        raise BadRequest("'stop' must be a string or a list of at most 4 non-empty strings", "stop")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", cfg.default_max_tokens, 1, cfg.max_tokens,
+                         integer=True)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise BadRequest(f"'seed' must be a non-negative integer, got {seed!r}", "seed")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be true or false", "stream")
+    gen = GenerationConfig(max_new_tokens=max_tokens,
+                           temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+                           top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)), seed=seed, stop=stop)
+    return prompt, gen, stream
+
+
+# --- the worker --------------------------------------------------------------------------------
+@dataclass
+class Job:
+    prompt: Any
+    config: GenerationConfig
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("start"|"piece"|"end"|"error", payload)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    deadline: float = 0.0
+    timed_out: bool = False
+    stream: Any = None  # the pipeline's TextStream while the job runs
+
+    def post(self, kind: str, payload=None) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+    def stop(self) -> None:
+        """Cancel from any thread: a queued job is skipped, a running one ends after its round
+        (``TextStream.cancel`` is safe from another thread)."""
+        self.cancel.set()
+        stream = self.stream
+        if stream is not None:
+            stream.cancel()
+
+
+class Worker:
+    """One thread decoding queued jobs one at a time on ``pipe``."""
+
+    def __init__(self, pipe, cfg: ServeConfig) -> None:
+        self.pipe, self.cfg = pipe, cfg
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=cfg.max_queue)
+        self.busy = False
+        self.thread = threading.Thread(target=self._loop, name="dspark-serve", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        job.deadline = time.monotonic() + self.cfg.request_timeout_s
+        self.jobs.put_nowait(job)  # queue.Full: the caller answers 429
+
+    def close(self) -> None:
+        try:
+            self.jobs.put_nowait(None)
+        except queue.Full:
+            pass
+        self.thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job.cancel.is_set():
+                continue
+            if time.monotonic() > job.deadline:
+                job.timed_out = True
+                job.post("error", (504, f"the request waited in the queue past --request-timeout "
+                                        f"({self.cfg.request_timeout_s:g} s); retry later"))
+                continue
+            self.busy = True
+            try:
+                self._run(job)
+            finally:
+                self.busy = False
+
+    def _run(self, job: Job) -> None:
+        try:
+            stream = job.stream = self.pipe.stream(job.prompt, job.config)
+        except DSparkError as exc:
+            job.post("error", (400, str(exc)))
+            return
+        if job.cancel.is_set():  # stopped between the check above and now
+            stream.cancel()
+        job.post("start")
+        try:
+            for piece in stream:
+                job.post("piece", piece)
+                if time.monotonic() > job.deadline:
+                    job.timed_out = True
+                    stream.cancel()
+                elif job.cancel.is_set():
+                    stream.cancel()
+        except DSparkError as exc:  # a generation that failed mid-way
+            job.post("error", (500, str(exc)))
+            return
+        finally:
+            stream.close()
+            job.stream = None
+        job.post("end", stream.result)
+
+
+# --- the app -----------------------------------------------------------------------------------
+def build_app(pipe, cfg: ServeConfig, metrics=None):
+    """The Starlette application serving ``pipe`` (its worker thread starts now; the app's
+    shutdown stops it). ``metrics``: a ``PrometheusMetrics`` observing ``pipe``, or None."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    worker = Worker(pipe, cfg)
+    counters = _server_counters(metrics)
+
+    def fail(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        counters["requests"](str(status))
+        return JSONResponse(error_body(message, kind, param), status_code=status)
+
+    def authorised(request: Request) -> bool:
+        if cfg.api_key is None:
+            return True
+        return request.headers.get("authorization", "") == f"Bearer {cfg.api_key}"
+
+    async def read_json(request: Request):
+        size = int(request.headers.get("content-length") or 0)
+        if size > MAX_BODY_BYTES:
+            raise BadRequest(f"the request body is {size} bytes; at most {MAX_BODY_BYTES} are accepted", status=413)
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise BadRequest(f"the request body exceeds {MAX_BODY_BYTES} bytes", status=413)
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"the request body is not JSON ({exc})") from exc
+
+    async def next_event(request: Request, job: Job):
+        """The worker's next event, or None when the client went away (the job is stopped). Past
+        its deadline the job is stopped and its end (a round later) still awaited."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.stop()
+                    return None
+                now = time.monotonic()
+                if now > job.deadline and not job.timed_out:
+                    job.timed_out = True
+                    job.stop()
+                elif now > job.deadline + STUCK_S:  # no end a long while after the stop: give up waiting
+                    return ("error", (504, "the request ran past --request-timeout and did not stop"))
+
+    async def complete(request: Request, chat: bool):
+        if not authorised(request):
+            return fail(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+        try:
+            prompt, gen, stream = parse_request(await read_json(request), chat, cfg)
+        except BadRequest as exc:
+            return fail(exc.status, str(exc), exc.kind, exc.param)
+        job = Job(prompt, gen, asyncio.get_running_loop())
+        try:
+            worker.submit(job)
+        except queue.Full:
+            return fail(429, f"the server is busy: {cfg.max_queue} requests are waiting (--max-queue); retry later",
+                        "server_busy")
+        counters["queued"](worker.jobs.qsize())
+        first = await next_event(request, job)
+        if first is None:
+            return fail(499, "the client closed the request")
+        if first[0] == "error":
+            status, message = first[1]
+            return fail(status, message, "invalid_request_error" if status == 400 else "server_error")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        if stream:
+            counters["requests"]("200")
+            return StreamingResponse(_sse(request, job, rid, created, chat, cfg.model, next_event),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text = ""
+        while True:
+            ev = await next_event(request, job)
+            if ev is None:
+                return fail(499, "the client closed the request")
+            kind, payload = ev
+            if kind == "piece":
+                text += payload
+            elif kind == "error":
+                return fail(payload[0], payload[1], "server_error")
+            else:
+                break
+        if job.timed_out:
+            return fail(504, f"the request ran past --request-timeout ({cfg.request_timeout_s:g} s); ask for fewer "
+                             "max_tokens", "timeout")
+        counters["requests"]("200")
+        return JSONResponse(_response(rid, created, chat, cfg.model, text, payload))
+
+    async def chat_completions(request: Request):
+        return await complete(request, True)
+
+    async def completions(request: Request):
+        return await complete(request, False)
+
+    async def models(request: Request):
+        if not authorised(request):
+            return fail(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+        return JSONResponse({"object": "list", "data": [{"id": cfg.model, "object": "model", "created": 0,
+                                                         "owned_by": "dspark_edge"}]})
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok", "busy": worker.busy, "queued": worker.jobs.qsize()})
+
+    async def prometheus(request: Request):
+        if not authorised(request):
+            return fail(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+        if metrics is None:
+            return fail(404, "metrics need the prometheus-client package: pip install prometheus-client")
+        return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
+
+    routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+              Route("/metrics", prometheus, methods=["GET"])]
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.worker = worker
+    return app
+
+
+def _server_counters(metrics):
+    """Request counts by status and the queue depth, in the metrics' registry (or nothing)."""
+    if metrics is None:
+        return {"requests": lambda status: None, "queued": lambda n: None}
+    import prometheus_client as pc
+
+    kw = {"namespace": "dspark_edge", "registry": metrics.registry}
+    requests = pc.Counter("server_requests", "HTTP completion requests answered, by status", ["status"], **kw)
+    queued = pc.Gauge("server_queue_depth", "Requests waiting when the last one arrived", **kw)
+    return {"requests": lambda status: requests.labels(status=status).inc(), "queued": queued.set}
+
+
+def _usage(result) -> dict:
+    n = len(result.token_ids)
+    return {"prompt_tokens": result.stats.prompt_tokens, "completion_tokens": n,
+            "total_tokens": result.stats.prompt_tokens + n}
+
+
+def _response(rid: str, created: int, chat: bool, model: str, text: str, result) -> dict:
+    finish = FINISH.get(result.stop_reason, "stop")
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
+              else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
+            "choices": [choice], "usage": _usage(result),
+            "dspark": {"stop_reason": result.stop_reason, "tokens_per_s": round(result.stats.tokens_per_s, 2),
+                       "draft_n": result.stats.draft_n, "draft_n_accepted": result.stats.draft_n_accepted}}
+
+
+async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str, next_event):
+    """Server-sent events of one answer; a client that goes away cancels the job (finally)."""
+    kind_name = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+        if chat:
+            d = ({"role": "assistant", "content": ""} if first else {}) | ({"content": delta} if delta else {})
+            choice = {"index": 0, "delta": d, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+        return "data: " + json.dumps({"id": rid, "object": kind_name, "created": created, "model": model,
+                                      "choices": [choice]}) + "\n\n"
+
+    try:
+        if chat:
+            yield chunk(None, None, first=True)
+        while True:
+            ev = await next_event(request, job)
+            if ev is None:
+                return
+            kind, payload = ev
+            if kind == "piece":
+                yield chunk(payload, None)
+            elif kind == "error":
+                yield "data: " + json.dumps(error_body(payload[1], "server_error")) + "\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                if job.timed_out:
+                    yield "data: " + json.dumps(error_body("the request ran past --request-timeout", "timeout")) + "\n\n"
+                else:
+                    yield chunk(None, FINISH.get(payload.stop_reason, "stop"))
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        job.stop()  # a no-op after the end; stops the decoding when the client left

@@ -1,0 +1,282 @@
+"""The OpenAI-compatible server, driven by the real ``openai`` client over loopback: answers equal
+the pipeline's own, streamed and not; concurrent clients; a client that leaves mid-stream frees
+the server; bad requests, a full queue, a missing key and a timeout get clear errors. Every
+server runs on 127.0.0.1 in a thread of the test and stops with it; every request is bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
+
+
+@contextlib.contextmanager
+def running(app):
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def client(url, key="none"):
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_engine):
+    import dspark_edge
+    from dspark_edge.metrics import PrometheusMetrics
+    from dspark_edge.server import ServeConfig, build_app
+
+    pipe = dspark_edge.load(tiny_engine, "fp32", drafter="ngram")
+    metrics = PrometheusMetrics()
+    pipe.add_observer(metrics)
+    reference = dspark_edge.load(tiny_engine, "fp32", drafter="ngram")
+    app = build_app(pipe, ServeConfig(model="tiny", max_tokens=256), metrics)
+    with running(app) as url:
+        yield url, reference
+    pipe.close()
+    reference.close()
+
+
+def test_chat_completion_equals_the_pipelines_answer(served):
+    url, ref = served
+    r = client(url).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0)
+    want = ref.generate(MESSAGES, max_new_tokens=24)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == len(want.token_ids) and r.usage.prompt_tokens == want.stats.prompt_tokens
+    assert r.choices[0].finish_reason == ("length" if want.stop_reason == "max_new_tokens" else "stop")
+    assert r.model == "tiny" and r.id.startswith("chatcmpl-")
+
+
+def test_streamed_chat_and_completions_equal_the_pipelines_answers(served):
+    url, ref = served
+    c = client(url)
+    chunks = list(c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,
+                                            stream=True))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert text == ref.generate(MESSAGES, max_new_tokens=24).text and len(chunks) > 3
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    r = c.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=20, temperature=0)
+    assert r.choices[0].text == ref.generate("def add(a, b):", max_new_tokens=20).text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny", prompt="def add(a, b):", max_tokens=20, temperature=0, stream=True))
+    assert streamed == r.choices[0].text
+    seeded = [c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0.9,
+                                        seed=7).choices[0].message.content for _ in range(2)]
+    assert seeded[0] == seeded[1] == ref.generate(MESSAGES, max_new_tokens=16, temperature=0.9, seed=7).text
+
+
+def test_concurrent_clients_each_get_their_own_answer(served):
+    url, ref = served
+    prompts = ["The quick brown fox", "def add(a, b):", "Speculative decoding", "Une phrase"]
+    got: dict = {}
+
+    def ask(p):
+        got[p] = client(url).completions.create(model="tiny", prompt=p, max_tokens=20, temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert {p: ref.generate(p, max_new_tokens=20).text for p in prompts} == got
+
+
+def test_a_client_leaving_mid_stream_cancels_its_request(served):
+    url, _ = served
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the first event; then the client goes away
+    deadline = time.monotonic() + 30
+    while True:
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        if 'stop_reason="cancelled"' in metrics and not httpx.get(url + "/health", timeout=10).json()["busy"]:
+            break
+        assert time.monotonic() < deadline, "the abandoned request was not cancelled"
+        time.sleep(0.1)
+    r = client(url).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0)
+    assert r.choices[0].message.content is not None  # the server answers the next client
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ("{not json", 400, "not JSON"),
+    ({"model": "tiny"}, 400, "'messages' must be"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0]"),
+    ({"messages": MESSAGES, "temperature": 5}, 400, "'temperature' must be"),
+    ({"messages": MESSAGES, "n": 2}, 400, "'n' must be"),
+    ({"messages": MESSAGES, "max_tokens": 100000}, 400, "'max_tokens' must be"),
+    ({"messages": MESSAGES, "stop": [1, 2]}, 400, "'stop' must be"),
+    ({"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "context"),
+    ({"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, "bytes"),
+])
+def test_bad_requests_get_a_clear_error(served, body, status, fragment):
+    url, _ = served
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(url + "/v1/chat/completions", content=data, headers={"Content-Type": "application/json"},
+                   timeout=60)
+    assert r.status_code == status and fragment in r.json()["error"]["message"]
+
+
+class BlockingPipe:
+    """A stand-in pipeline whose answers wait for ``release`` (or a cancel)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def stream(self, prompt, config):
+        pipe = self
+
+        class Stream:
+            result = None
+
+            def __init__(self) -> None:
+                self.cancelled = threading.Event()
+                self._it = self._run()
+
+            def __iter__(self):
+                return self._it
+
+            def _run(self):
+                pipe.started.set()
+                yield "a"
+                while not (pipe.release.is_set() or self.cancelled.is_set()):
+                    time.sleep(0.01)
+                yield "b"
+                Stream.result = SimpleNamespace(stop_reason="cancelled" if self.cancelled.is_set() else "eos",
+                                                token_ids=(1, 2), stats=SimpleNamespace(
+                                                    prompt_tokens=3, tokens_per_s=1.0, draft_n=0, draft_n_accepted=0))
+                self.result = Stream.result
+
+            def cancel(self):
+                self.cancelled.set()
+
+            def close(self):
+                self._it.close()
+
+        return Stream()
+
+
+def _ask(c, outcome, name, prompt):
+    try:
+        outcome[name] = c.completions.create(model="fake", prompt=prompt, max_tokens=4).choices[0].text
+    except openai.APIStatusError as exc:
+        outcome[name] = exc.status_code
+
+
+def test_a_full_queue_answers_429():
+    from dspark_edge.server import ServeConfig, build_app
+
+    pipe = BlockingPipe()
+    app = build_app(pipe, ServeConfig(model="fake", max_queue=1, request_timeout_s=60.0))
+    with running(app) as url:
+        c, outcome = client(url), {}
+        first = threading.Thread(target=_ask, args=(c, outcome, "first", "x"), daemon=True)
+        first.start()
+        assert pipe.started.wait(30)
+        second = threading.Thread(target=_ask, args=(c, outcome, "second", "y"), daemon=True)
+        second.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/health", timeout=10).json()["queued"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(openai.RateLimitError, match="busy"):
+            c.completions.create(model="fake", prompt="z", max_tokens=4)
+        pipe.release.set()
+        first.join(timeout=30)
+        second.join(timeout=30)
+        assert outcome == {"first": "ab", "second": "ab"}
+
+
+def test_requests_past_the_timeout_get_504_running_or_queued():
+    from dspark_edge.server import ServeConfig, build_app
+
+    pipe = BlockingPipe()  # never released: the running request ends by its timeout
+    app = build_app(pipe, ServeConfig(model="fake", max_queue=2, request_timeout_s=1.5))
+    with running(app) as url:
+        c, outcome = client(url), {}
+        threads = [threading.Thread(target=_ask, args=(c, outcome, n, n), daemon=True) for n in ("running", "queued")]
+        threads[0].start()
+        assert pipe.started.wait(30)
+        threads[1].start()
+        for t in threads:
+            t.join(timeout=30)
+        assert outcome == {"running": 504, "queued": 504}
+        assert not httpx.get(url + "/health", timeout=10).json()["busy"]
+
+
+def test_an_api_key_is_required_when_set():
+    from dspark_edge.server import ServeConfig, build_app
+
+    pipe = BlockingPipe()
+    pipe.release.set()
+    app = build_app(pipe, ServeConfig(model="fake", api_key="s3cret"))
+    with running(app) as url:
+        with pytest.raises(openai.AuthenticationError):
+            client(url, key="wrong").completions.create(model="fake", prompt="x", max_tokens=4)
+        assert client(url, key="s3cret").completions.create(model="fake", prompt="x", max_tokens=4).choices[0].text \
+            == "ab"
+        assert httpx.get(url + "/health", timeout=10).status_code == 200  # no key needed
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+
+
+def test_the_serve_command_answers_and_stops_on_sigterm(tiny_engine):
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "dspark_edge", "serve", "--engine", str(tiny_engine), "--port",
+                             str(port), "--drafter", "none", "--model-name", "tiny"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.2)
+        assert [m.id for m in client(url).models.list().data] == ["tiny"]
+        r = client(url).completions.create(model="tiny", prompt="def add(a, b):", max_tokens=8, temperature=0)
+        assert r.choices[0].text and r.usage.completion_tokens <= 8
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode in (0, 143) and "[serve] http://127.0.0.1" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
