@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import dspark_edge
+from dspark_edge.cli.chat import fit_history
 from dspark_edge.cli.errors import exit_code
 from dspark_edge.metrics import TraceWriter
 from dspark_edge.paths import output_file
@@ -329,6 +330,14 @@ def main() -> int:
                 line = args.prompt
                 print(f"> {line}")
             history.append({"role": "user", "content": line})
+            try:  # the oldest exchanges make room, as in `python -m dspark_edge chat`
+                history = fit_history(pipe, [], history, cfg)
+            except dspark_edge.PromptError as exc:
+                print(f"[{exc}]", file=sys.stderr)
+                history.pop()
+                if not args.chat:
+                    return exit_code(exc)
+                continue
             run = run_prompt(pipe, history, cfg, live, args.race)
             history.append({"role": "assistant", "content": run.text})
             if args.plot:

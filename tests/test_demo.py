@@ -76,6 +76,13 @@ def test_chat_reads_turns_from_stdin(tiny_engine):
     assert p.stderr.count("[speculative: 6 tokens") == 2  # one final line per answer
 
 
+def test_chat_drops_the_oldest_exchanges_when_the_context_fills(tiny_engine):
+    line = "the quick brown fox jumps over the lazy dog " * 12
+    p = demo("--engine", str(tiny_engine), "--chat", "--max-new-tokens", "4", stdin=(line + "\n") * 8 + "\n")
+    assert p.returncode == 0, p.stderr
+    assert "oldest exchange" in p.stderr and p.stderr.count("[speculative: 4 tokens") == 8
+
+
 def test_bad_engine_is_a_clear_error(tmp_path):
     p = demo("--engine", str(tmp_path / "nope"))
     assert p.returncode == 2 and "error:" in p.stderr and "Traceback" not in p.stderr

@@ -59,7 +59,7 @@ def cmd_chat(args) -> int:
                 continue
             history.append({"role": "user", "content": line})
             try:
-                history = _fit_history(pipe, system, history, cfg)
+                history = fit_history(pipe, system, history, cfg)
             except PromptError as exc:
                 print(f"[{exc}]", file=sys.stderr)
                 history.pop()
@@ -78,10 +78,10 @@ def cmd_chat(args) -> int:
     return status
 
 
-def _fit_history(pipe, system: list[dict], history: list[dict], cfg) -> list[dict]:
+def fit_history(pipe, system: list[dict], history: list[dict], cfg) -> list[dict]:
     """The most recent turns that fit the context with room for an answer (the oldest
     user/assistant pairs dropped, said on stderr); a last message too long alone is a
-    PromptError."""
+    PromptError. The chat command and the demo's chat both keep their history with it."""
     capacity = pipe.target.capacity
     room = max(1, min(cfg.max_new_tokens, capacity // 4))
     dropped = 0
