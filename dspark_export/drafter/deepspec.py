@@ -412,6 +412,25 @@ class Reference:
 
 
 # --- conversion into this project's drafter -----------------------------------------------------
+# This project's names of a drafter layer's tensors (model.py) and DeepSpec's (Qwen3 layers).
+LAYER_NAMES = {"in_norm": "input_layernorm", "post_norm": "post_attention_layernorm", "q": "self_attn.q_proj",
+               "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+               "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm", "gate": "mlp.gate_proj",
+               "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def layer_tensors(tensors: dict, num_layers: int, to_deepspec: bool) -> dict:
+    """The layers' tensors of ``tensors`` renamed into the other naming (biases where present)."""
+    out = {}
+    for i in range(num_layers):
+        for ours, theirs in LAYER_NAMES.items():
+            src, dst = (ours, theirs) if to_deepspec else (theirs, ours)
+            for part in ("weight", "bias"):
+                if f"layers.{i}.{src}.{part}" in tensors:
+                    out[f"layers.{i}.{dst}.{part}"] = tensors[f"layers.{i}.{src}.{part}"]
+    return out
+
+
 def to_draft_model(cfg: DeepSpecConfig, tensors: dict):
     """This project's ``DSparkDraft`` computing the checkpoint's forward: the full vocabulary
     (or d2t's ids) as the draft vocabulary, the mask slot's embedding as the learned mask
@@ -435,16 +454,7 @@ def to_draft_model(cfg: DeepSpecConfig, tensors: dict):
     model = DSparkDraft(dcfg, t["embed_tokens.weight"], head, ids, t["norm.weight"])
     state = {"fc.weight": t["fc.weight"], "ctx_norm.weight": t["hidden_norm.weight"],
              "mask_embed": t["embed_tokens.weight"][cfg.mask_token_id], "norm.weight": t["norm.weight"]}
-    names = {"in_norm": "input_layernorm", "post_norm": "post_attention_layernorm", "q": "self_attn.q_proj",
-             "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-             "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm", "gate": "mlp.gate_proj",
-             "up": "mlp.up_proj", "down": "mlp.down_proj"}
-    for i in range(cfg.num_layers):
-        for ours, theirs in names.items():
-            for part in ("weight", "bias"):
-                key = f"layers.{i}.{theirs}.{part}"
-                if key in t:
-                    state[f"layers.{i}.{ours}.{part}"] = t[key]
+    state |= layer_tensors(t, cfg.num_layers, to_deepspec=False)
     zeros_row = torch.zeros(1, r)
     if cfg.markov_rank:
         state["markov_in.weight"] = torch.cat([t["markov_head.markov_w1.weight"][ids], zeros_row])

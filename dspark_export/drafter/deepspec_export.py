@@ -30,18 +30,13 @@ from pathlib import Path
 
 from dspark_edge.errors import ExportError
 
-from .deepspec import ARCHITECTURE, CALIBRATION, CONFIG
+from .deepspec import ARCHITECTURE, CALIBRATION, CONFIG, layer_tensors
 
 log = logging.getLogger(__name__)
 
 DEEPSPEC_DIR = "deepspec"  # where train-drafter writes the checkpoint inside its output folder
 WEIGHTS = "model.safetensors"
 PROVENANCE = "dspark_provenance.json"
-
-LAYER_NAMES = {"in_norm": "input_layernorm", "post_norm": "post_attention_layernorm", "q": "self_attn.q_proj",
-               "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-               "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm", "gate": "mlp.gate_proj",
-               "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
 
 def default_mask_token(tokenizer, eos_ids) -> int:
@@ -107,12 +102,7 @@ def deepspec_tensors(model, mask_token_id: int) -> dict:
         head, w2 = torch.zeros(vocab, cfg.hidden_size), torch.zeros(vocab, cfg.markov_rank)
         head[ids], w2[ids] = model.head.float(), sd["markov_out.weight"]
         t["lm_head.weight"], t["markov_head.markov_w2.weight"] = head, w2
-    for i in range(cfg.num_layers):
-        for ours, theirs in LAYER_NAMES.items():
-            for part in ("weight", "bias"):
-                key = f"layers.{i}.{ours}.{part}"
-                if key in sd:
-                    t[f"layers.{i}.{theirs}.{part}"] = sd[key]
+    t |= layer_tensors(sd, cfg.num_layers, to_deepspec=True)
     return {k: v.contiguous() for k, v in t.items()}
 
 
