@@ -80,7 +80,9 @@ def _number(body: dict, name: str, default, low: float, high: float, integer: bo
 
 def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, GenerationConfig, bool]:
     """(prompt, generation config, stream) of an OpenAI request body, every field it uses checked.
-    Fields it does not use (``model``, ``user``, ``stream_options``, …) are ignored."""
+    ``ignore_eos`` (as llama-server and vLLM take it) decodes ``max_tokens`` whatever the model
+    says, for benchmarks. Fields it does not use (``model``, ``user``, ``stream_options``, …) are
+    ignored."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     if chat:
@@ -117,12 +119,13 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise BadRequest(f"'seed' must be a non-negative integer, got {seed!r}", "seed")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be true or false", "stream")
+    stream, ignore_eos = body.get("stream", False), body.get("ignore_eos", False)
+    if not isinstance(stream, bool) or not isinstance(ignore_eos, bool):
+        raise BadRequest("'stream' and 'ignore_eos' must be true or false", "stream")
     gen = GenerationConfig(max_new_tokens=max_tokens,
                            temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-                           top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)), seed=seed, stop=stop)
+                           top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)), seed=seed, stop=stop,
+                           ignore_eos=ignore_eos)
     return prompt, gen, stream
 
 

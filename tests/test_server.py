@@ -87,6 +87,9 @@ def test_streamed_chat_and_completions_equal_the_pipelines_answers(served):
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(
         model="tiny", prompt="def add(a, b):", max_tokens=20, temperature=0, stream=True))
     assert streamed == r.choices[0].text
+    long = c.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=60, temperature=0,
+                                extra_body={"ignore_eos": True})
+    assert long.usage.completion_tokens == 60  # as llama-server and vLLM take it: decode max_tokens
     seeded = [c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0.9,
                                         seed=7).choices[0].message.content for _ in range(2)]
     assert seeded[0] == seeded[1] == ref.generate(MESSAGES, max_new_tokens=16, temperature=0.9, seed=7).text
