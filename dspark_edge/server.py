@@ -142,7 +142,10 @@ class Job:
     stream: Any = None  # the pipeline's TextStream while the job runs
 
     def post(self, kind: str, payload=None) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop closed (the server stopped): nobody is waiting
+            self.cancel.set()
 
     def stop(self) -> None:
         """Cancel from any thread: a queued job is skipped, a running one ends after its round
