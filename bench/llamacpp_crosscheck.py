@@ -234,7 +234,7 @@ def main() -> int:
             lp = modes["llama.cpp plain"]["tokens"]
             modes["llama.cpp plain"]["same_as_plain"] = True
             modes["llama.cpp dspark"]["same_as_plain"] = modes["llama.cpp dspark"]["tokens"] == lp
-            same_ref = lp == base.token_ids
+            same_ref = lp == list(base.token_ids)
             for m in modes.values():
                 m.pop("tokens")
             rows.append({"id": rec["id"], "modes": modes, "llama_plain_equals_dspark_edge_plain": same_ref})

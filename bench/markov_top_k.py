@@ -36,10 +36,13 @@ def main() -> int:
 
     manifest = read_manifest(args.engine)
     ks = [None if k == "full" else int(k) for k in args.ks.split(",")]
-    plain = dspark_edge.load(args.engine, "fp32")
+    # One thread pool for the target and every drafter session (as the command line does), so
+    # idle sessions' threads do not spin beside the one at work.
+    options = dspark_edge.BackendOptions(shared_threads=True)
+    plain = dspark_edge.load(args.engine, "fp32", options=options)
     twins = {}
     for k in ks:
-        d = DSparkDrafter(args.engine, manifest, "fp32", markov_top_k=k)
+        d = DSparkDrafter(args.engine, manifest, "fp32", options=options, markov_top_k=k)
         twins[k] = (plain.twin(d), d)
     n_draft = args.draft_tokens or max(twins[ks[0]][1].blocks) - 1
     prompts = load_prompts()[: args.limit]
