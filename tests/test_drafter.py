@@ -3,6 +3,7 @@ an end-to-end train → install → speculative generation on the tiny model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -618,3 +619,24 @@ def test_growing_the_prompt_count_completes_a_short_last_shard(tmp_path, monkeyp
     paths = data.build_shards(None, None, Tok(), prompts, tmp_path, 0, 0, per_shard=4)
     assert written[2:] == [("shard-00001.npz", 3)]
     assert data.count_sequences(paths) == 7
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_resumed_training_run_continues_bit_for_bit(tmp_path, bf16):
+    """Six steps straight, and three steps then a resumed run to six from the checkpoint, give
+    identical weights (also under bfloat16 autocast)."""
+    from dspark_export.drafter.train import TrainOptions, train
+
+    data = _data(n=6)
+    opts = TrainOptions(steps=6, seqs_per_step=2, anchors=3, checkpoint_every=3, validate_every=6, bf16=bf16)
+    straight, resumed = _model(1).train(), _model(1).train()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    train(straight, data, np.arange(5), np.arange(5, 6), tmp_path / "a", opts)
+    train(resumed, data, np.arange(5), np.arange(5, 6), tmp_path / "b", dataclasses.replace(opts, steps=3))
+    again = _model(1).train()  # a fresh process: the model as built, then the checkpoint
+    out = train(again, data, np.arange(5), np.arange(5, 6), tmp_path / "b", opts)
+    assert out["steps"] == 6
+    for (name, a), b in zip(straight.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert not torch.equal(straight.state_dict()["fc.weight"], _model(1).state_dict()["fc.weight"])  # it trained

@@ -47,6 +47,7 @@ class TrainDrafterOptions:
     lr: float = 6e-4
     seed: int = 0
     mask_token_id: int | None = None  # the DeepSpec checkpoint's mask token; None: default_mask_token
+    bf16: bool = False  # train under bfloat16 autocast (bench/train_bf16.py measures what it buys)
 
     def __post_init__(self) -> None:
         for name in ("prompts", "max_new_tokens", "layers", "slots", "draft_vocab", "markov_rank", "steps",
@@ -227,7 +228,8 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     t0 = time.perf_counter()
     tr_opts = TrainOptions(steps=opts.steps, seqs_per_step=min(opts.seqs_per_step, len(train_ids)),
                            anchors=opts.anchors, lr=opts.lr, seed=opts.seed,
-                           validate_every=min(250, opts.steps), checkpoint_every=min(50, opts.steps))
+                           validate_every=min(250, opts.steps), checkpoint_every=min(50, opts.steps),
+                           bf16=opts.bf16)
     result = train(model, data, train_ids, val_ids, opts.work, tr_opts, progress=lambda s: progress("      " + s),
                    answers=answers)
     progress("[4/4] calibrating the confidence head on held-out rounds")

@@ -49,6 +49,7 @@ class TrainOptions:
     checkpoint_every: int = 50
     validate_every: int = 250
     seed: int = 0
+    bf16: bool = False  # forward and loss under CPU autocast to bfloat16 (weights and optimizer stay FP32)
 
 
 def choose_draft_vocab(data: Sequences, size: int, vocab_size: int) -> np.ndarray:
@@ -326,7 +327,6 @@ def train(model: DSparkDraft, data: Sequences, train_ids, val_ids, work: Path, o
         step, history = state["step"], state["history"]
         if progress:
             progress(f"resumed at step {step}")
-    rng = np.random.default_rng(opts.seed + step)
     slots = model.cfg.slots
     t0, t_step0, recent = time.perf_counter(), step, []
     log_f = open(work / "train.log", "a", encoding="utf-8")
@@ -334,10 +334,14 @@ def train(model: DSparkDraft, data: Sequences, train_ids, val_ids, work: Path, o
     while step < opts.steps:
         for g in opt.param_groups:
             g["lr"] = _lr(step, opts)
+        # Each step's draws depend on (seed, step) alone: a run resumed from a checkpoint takes
+        # exactly the batches the uninterrupted run takes, so it continues it bit for bit.
+        rng = np.random.default_rng([opts.seed, step])
         ids = rng.choice(train_ids, size=opts.seqs_per_step, replace=False, p=weights)
         batch = make_batch(data, ids, opts.anchors, slots, to_draft, rng, opts.short_block, opts.short_share)
-        out = forward_batch(model, batch)
-        loss, parts = loss_of(out, batch, opts, slots)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=opts.bf16):
+            out = forward_batch(model, batch)
+            loss, parts = loss_of(out, batch, opts, slots)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
