@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--mask-token-id", type=int, default=None,
                     help="the token whose embedding row carries the mask slot in the DeepSpec checkpoint written "
                          "to OUTPUT/deepspec (default: the highest special token outside the chat template)")
+    tr.add_argument("--init-from", type=Path, default=None, metavar="DRAFTER_DIR",
+                    help="start from a drafter folder's weights and draft vocabulary (a previous run's OUTPUT; its "
+                         "shape wins) instead of from the target's layers: a campaign over several runs")
     tr.add_argument("--bf16", action="store_true",
                     help="forward and loss under bfloat16 autocast (weights and optimizer stay FP32); pays on CPUs "
                          "with AVX-512 BF16 or AMX (bench/train_bf16.py measures it)")
@@ -265,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 copy_prompts=args.copy_prompts, answers=args.answers,
                 layers=args.layers, slots=args.slots,
                 draft_vocab=args.draft_vocab, markov_rank=args.markov_rank, steps=args.steps, lr=args.lr,
-                mask_token_id=args.mask_token_id, bf16=args.bf16),
+                mask_token_id=args.mask_token_id, bf16=args.bf16, init_from=args.init_from),
                 progress=progress)
             return 0
         if args.command == "deepspec":

@@ -640,3 +640,33 @@ def test_a_resumed_training_run_continues_bit_for_bit(tmp_path, bf16):
     for (name, a), b in zip(straight.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
     assert not torch.equal(straight.state_dict()["fc.weight"], _model(1).state_dict()["fc.weight"])  # it trained
+
+
+def test_a_run_can_start_from_a_previous_drafter(tiny_with_drafter, tiny_hf, tmp_path):
+    """--init-from: the new run starts from the folder's weights and draft vocabulary (with a
+    zero learning rate it ends exactly where it started)."""
+    from dspark_edge.errors import ExportError
+    from dspark_export.drafter.build import TrainDrafterOptions, train_drafter
+
+    engine, weights, _ = tiny_with_drafter
+    msgs: list[str] = []
+    work = tmp_path / "work"  # the fixture's data and vocabulary, without its checkpoint
+    shutil.copytree(weights.parent / "work", work, ignore=shutil.ignore_patterns("checkpoint.pt", "train.log"))
+    out = train_drafter(TrainDrafterOptions(
+        target_engine=engine, output=tmp_path / "next", work=work, source=str(tiny_hf), prompts=10,
+        max_new_tokens=24, text_tokens=300, copy_prompts=4, layers=2, slots=3, draft_vocab=150, markov_rank=8,
+        steps=10, seqs_per_step=4, anchors=6, lr=0.0, init_from=weights), progress=msgs.append)
+    assert any("starting from" in m for m in msgs)
+    before, after = np.load(weights / "weights.npz"), np.load(out / "weights.npz")
+    assert sorted(before.files) == sorted(after.files)
+    for k in before.files:
+        assert np.array_equal(before[k], after[k]), k
+    with pytest.raises(ExportError, match="another draft vocabulary"):
+        train_drafter(TrainDrafterOptions(
+            target_engine=engine, output=tmp_path / "x", work=tmp_path / "w", source=str(tiny_hf), prompts=10,
+            max_new_tokens=24, text_tokens=300, copy_prompts=4, slots=3, draft_vocab=150, markov_rank=8,
+            steps=2, seqs_per_step=4, anchors=6), progress=msgs.append)  # this work folder's own vocabulary ...
+        train_drafter(TrainDrafterOptions(
+            target_engine=engine, output=tmp_path / "x", work=tmp_path / "w", source=str(tiny_hf), prompts=10,
+            max_new_tokens=24, text_tokens=300, copy_prompts=4, slots=3, steps=2, seqs_per_step=4, anchors=6,
+            init_from=weights), progress=msgs.append)  # ... is not the folder's

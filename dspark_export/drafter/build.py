@@ -48,6 +48,7 @@ class TrainDrafterOptions:
     seed: int = 0
     mask_token_id: int | None = None  # the DeepSpec checkpoint's mask token; None: default_mask_token
     bf16: bool = False  # train under bfloat16 autocast (bench/train_bf16.py measures what it buys)
+    init_from: Path | None = None  # a drafter folder whose weights (and draft vocabulary) start this run
 
     def __post_init__(self) -> None:
         for name in ("prompts", "max_new_tokens", "layers", "slots", "draft_vocab", "markov_rank", "steps",
@@ -60,6 +61,24 @@ class TrainDrafterOptions:
         if not (self.target_engine / "manifest.json").is_file():
             raise ExportError(f"{self.target_engine} is not an engine folder (no manifest.json); export the target "
                               "first with `python -m export target`")
+
+
+def _read_init(folder: Path, target_engine: Path, manifest):
+    """(config, weights) of a drafter folder to start from, checked against the target."""
+    from .install import _check_trained
+    from .model import DraftConfig
+
+    meta, _ = _check_trained(target_engine, folder, manifest)
+    try:
+        cfg = DraftConfig.from_dict(meta["config"])
+        with np.load(folder / WEIGHTS) as f:
+            weights = {k: f[k] for k in f.files}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ExportError(f"{folder} holds no readable drafter weights ({exc}); train one first") from exc
+    if not cfg.qk_norm:
+        raise ExportError(f"{folder} was trained without per-head q/k norms (an older architecture); it cannot "
+                          "start a run of this one: train without --init-from")
+    return cfg, weights
 
 
 def default_mask(target_engine: Path, manifest) -> int:
@@ -167,7 +186,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     progress(f"[1/4] loading the target ({source.description})")
     target, _ = load_source(source)
     prompts = training_prompts(opts.seed)
-    if opts.draft_vocab > manifest.model.vocab_size:
+    if opts.init_from is None and opts.draft_vocab > manifest.model.vocab_size:
         raise ExportError(f"--draft-vocab {opts.draft_vocab} exceeds the target's vocabulary ({manifest.model.vocab_size})")
     if opts.prompts > len(prompts):
         raise ExportError(f"--prompts {opts.prompts} exceeds the {len(prompts)} training prompts")
@@ -212,17 +231,31 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     data = load_shards(shards)
     train_ids, val_ids = recorded_split(data, opts.work, answers, seed=opts.seed)
     vocab_path = opts.work / "vocab_ids.npy"
+    init = _read_init(opts.init_from, opts.target_engine, manifest) if opts.init_from is not None else None
+    if init is not None and vocab_path.is_file() and not np.array_equal(np.load(vocab_path), init[1]["vocab_ids"]):
+        raise ExportError(f"{opts.work} was started with another draft vocabulary than {opts.init_from}'s; "
+                          "pass another --work folder")
     if not vocab_path.is_file():
-        np.save(vocab_path, choose_draft_vocab(data, opts.draft_vocab, manifest.model.vocab_size))
+        np.save(vocab_path, init[1]["vocab_ids"] if init is not None else
+                choose_draft_vocab(data, opts.draft_vocab, manifest.model.vocab_size))
     vocab_ids = np.load(vocab_path)
     answer = np.concatenate([data.tokens[data.span(i)[0] + int(data.prompt_lens[i]):data.span(i)[1]] for i in val_ids])
     coverage = float(np.isin(answer, vocab_ids).mean())
     progress(f"      {len(data)} sequences ({data.tokens.size} tokens); draft vocabulary {vocab_ids.size} "
              f"covers {coverage:.1%} of held-out answer tokens")
-    cfg = draft_config(target, manifest.hidden_state_layers, opts.layers, opts.slots, int(vocab_ids.size),
-                       opts.markov_rank)
+    if init is not None:
+        cfg = init[0]
+        progress(f"      starting from {opts.init_from} ({cfg.num_layers} layers, {cfg.slots} slots, rank "
+                 f"{cfg.markov_rank}; its shape wins over --layers/--slots/--markov-rank)")
+    else:
+        cfg = draft_config(target, manifest.hidden_state_layers, opts.layers, opts.slots, int(vocab_ids.size),
+                           opts.markov_rank)
     model = build_model(cfg, target, vocab_ids)
-    init_from_target(model, target)
+    if init is not None:
+        model.load_state_dict({k: torch.from_numpy(v.astype(np.float32) if v.dtype.kind == "f" else v)
+                               for k, v in init[1].items()}, strict=True)
+    else:
+        init_from_target(model, target)
     progress(f"[3/4] training {sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.1f} M "
              f"parameters for {opts.steps} steps (log: {opts.work / 'train.log'})")
     t0 = time.perf_counter()
