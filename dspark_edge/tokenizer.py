@@ -22,7 +22,7 @@ from .manifest import Manifest, TokenizerInfo, read_engine_file
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_TOKENIZER_BYTES = 256 << 20  # tokenizer.json of a 256k vocabulary is ~20 MB
 MAX_TEMPLATE_BYTES = 1 << 20  # real chat templates are a few KB
-TEMPLATE_SECONDS = 2.0  # a render that takes longer is stopped (real ones take well under a millisecond)
+TEMPLATE_SECONDS = 2.0  # CPU seconds; a render that takes longer is stopped (real ones take well under a millisecond)
 MAX_RENDERED_CHARS = 8 << 20  # a rendered prompt (or any string the template builds) longer than this is refused
 
 
@@ -179,13 +179,15 @@ def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 class _Budget:
     """The time and size a template render may use; checked at every call, operator, range
-    step, namespace write and output piece the template makes."""
+    step, namespace write and output piece the template makes. The time is the rendering
+    thread's CPU time: a hostile template burns CPU, while a busy machine, a suspended process
+    (SIGSTOP, a laptop asleep) or other threads must not stop an honest render."""
 
     def __init__(self) -> None:
-        self.deadline = time.monotonic() + TEMPLATE_SECONDS
+        self.deadline = time.thread_time() + TEMPLATE_SECONDS
 
     def check(self, value: object = None) -> None:
-        if time.monotonic() > self.deadline:
+        if time.thread_time() > self.deadline:
             raise PromptError(f"the chat template ran longer than {TEMPLATE_SECONDS:g} s and was stopped; "
                               "the engine folder's template is broken or hostile: re-export the engine folder")
         if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_RENDERED_CHARS:

@@ -496,3 +496,21 @@ def test_stream_close_from_another_thread_mid_round_cancels(tiny_engine):
         stream.close()  # mid-round, from this thread
         t.join(30)
         assert not errors and stream.result is not None and stream.result.stop_reason == "cancelled"
+
+
+def test_the_template_budget_counts_cpu_time_not_wall_time():
+    """A render suspended (SIGSTOP, a busy machine) is not a hostile template: only the CPU the
+    rendering thread spends counts."""
+    import time
+
+    from dspark_edge import tokenizer as tk
+
+    budget = tk._Budget()
+    time.sleep(0.3)
+    budget.deadline -= tk.TEMPLATE_SECONDS - 0.2  # 0.2 CPU-seconds left; 0.3 s of wall time passed asleep
+    budget.check()  # sleeping used no CPU: still within budget
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.3:
+        pass
+    with pytest.raises(tk.PromptError, match="ran longer than"):
+        budget.check()
