@@ -192,6 +192,9 @@ class Worker:
             self.busy = True
             try:
                 self._run(job)
+            except Exception as exc:  # a fault outside the project's errors: answer 500, keep serving
+                log.exception("request failed")
+                job.post("error", (500, f"internal error: {type(exc).__name__}: {exc}"))
             finally:
                 self.busy = False
 

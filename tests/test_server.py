@@ -283,3 +283,24 @@ def test_the_serve_command_answers_and_stops_on_sigterm(tiny_engine):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_fault_in_the_pipeline_answers_500_and_the_server_goes_on():
+    from dspark_edge.server import ServeConfig, build_app
+
+    class Faulty(BlockingPipe):
+        calls = 0
+
+        def stream(self, prompt, config):
+            Faulty.calls += 1
+            if Faulty.calls == 1:
+                raise RuntimeError("boom")
+            return super().stream(prompt, config)
+
+    pipe = Faulty()
+    pipe.release.set()
+    with running(build_app(pipe, ServeConfig(model="fake"))) as url:
+        with pytest.raises(openai.InternalServerError, match="boom"):
+            client(url).completions.create(model="fake", prompt="x", max_tokens=4)
+        assert client(url).completions.create(model="fake", prompt="x", max_tokens=4).choices[0].text == "ab"
+
