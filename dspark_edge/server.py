@@ -125,7 +125,10 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
     gen = GenerationConfig(max_new_tokens=max_tokens,
                            temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
                            top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)), seed=seed, stop=stop,
-                           ignore_eos=ignore_eos)
+                           ignore_eos=ignore_eos,
+                           # a seed makes the answer a function of the seed alone, whatever the
+                           # scheduler chose under the server's load at the time
+                           sampling="rejection" if seed is None else "coupled")
     return prompt, gen, stream
 
 
@@ -182,7 +185,10 @@ class Worker:
             job = self.jobs.get()
             if job is None:
                 return
-            if job.cancel.is_set():
+            if job.cancel.is_set():  # left (499) or timed out (504) while queued: answered here
+                job.post("error", (504, f"the request waited in the queue past --request-timeout "
+                                        f"({self.cfg.request_timeout_s:g} s); retry later") if job.timed_out
+                         else (499, "the client closed the request"))
                 continue
             if time.monotonic() > job.deadline:
                 job.timed_out = True
