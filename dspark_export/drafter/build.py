@@ -37,6 +37,7 @@ class TrainDrafterOptions:
     text_tokens: int = 200_000
     copy_prompts: int = 256
     answers: Path | None = None  # recorded answers (``python -m export answers``) to reuse
+    data: Path | None = None  # an answers file to train on whole (the data engine's); nothing is generated
     layers: int = 2
     slots: int = 7
     draft_vocab: int = 8192
@@ -58,9 +59,46 @@ class TrainDrafterOptions:
         for name in ("text_tokens", "copy_prompts"):
             if getattr(self, name) < 0:
                 raise ExportError(f"--{name.replace('_', '-')} must be 0 (none) or more, got {getattr(self, name)}")
+        if self.data is not None and self.answers is not None:
+            raise ExportError("--data trains on every answer of its file and generates none; --answers (answers "
+                              "to reuse while generating the rest) does not apply with it: pass one of them")
         if not (self.target_engine / "manifest.json").is_file():
             raise ExportError(f"{self.target_engine} is not an engine folder (no manifest.json); export the target "
                               "first with `python -m export target`")
+
+
+LEARNING_CURVE = "learning_curve.jsonl"
+
+
+def write_learning_curve(path: Path, init_from: Path | None, history: list[dict], seqs_per_step: int,
+                         train_answers: int, held_out: int, data: str) -> None:
+    """``path``: the learning curve of a drafter across the runs that made it, one JSON line per
+    validation: the run (1 = trained from the target's layers; each ``--init-from`` run adds
+    one), optimizer steps and sequences drawn since the first run, the training and held-out
+    answers this run had, and the held-out τ and per-position reach. A run started from a folder
+    carries that folder's curve over, so a campaign's curve is one file, committed with its
+    weights."""
+    rows: list[dict] = []
+    prior = init_from / LEARNING_CURVE if init_from is not None else None
+    if prior is not None and prior.is_file():
+        for line in prior.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise ExportError(f"{prior}: line {len(rows) + 1} is not JSON; repair or delete it (the curve "
+                                  "then starts at this run)") from None
+            if not isinstance(row, dict) or not {"run", "steps", "sequences_drawn"} <= set(row):
+                raise ExportError(f"{prior}: line {len(rows) + 1} is not a learning-curve row; repair or delete it")
+            rows.append(row)
+    run = rows[-1]["run"] + 1 if rows else 1
+    base_steps = rows[-1]["steps"] if rows else 0
+    base_drawn = rows[-1]["sequences_drawn"] if rows else 0
+    for h in history:
+        rows.append({"run": run, "run_step": h["step"], "steps": base_steps + h["step"],
+                     "sequences_drawn": base_drawn + h["step"] * seqs_per_step, "train_answers": train_answers,
+                     "held_out_answers": held_out, "tau": round(h["tau"], 4),
+                     "reach": [round(r, 4) for r in h["reach"]], "data": data})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
 def _read_init(folder: Path, target_engine: Path, manifest):
@@ -164,10 +202,22 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
 
     from ..sources import load_source, resolve_source
     from . import calibrate
-    from .data import build_shards, check_digest, count_sequences, load_shards
+    from .data import (
+        answer_feature_shards,
+        build_shards,
+        check_digest,
+        count_sequences,
+        load_shards,
+    )
     from .prompts import copy_prompts, training_prompts
     from .text import build_text_shards, fingerprint, package_documents, text_sequences
-    from .train import TrainOptions, choose_draft_vocab, held_out_rounds, recorded_split, train
+    from .train import (
+        TrainOptions,
+        choose_draft_vocab,
+        held_out_rounds,
+        recorded_split,
+        train,
+    )
 
     torch.manual_seed(opts.seed)
     manifest = read_manifest(opts.target_engine)
@@ -180,44 +230,60 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
         from ..answers import load_answers
 
         known = load_answers(opts.answers, manifest, opts.max_new_tokens).by_prompt()
+    recorded = None  # --data: the answers to train on, every one of them
+    if opts.data is not None:
+        from ..answers import load_answers
+
+        recorded = load_answers(opts.data, manifest, opts.max_new_tokens)
     opts.work.mkdir(parents=True, exist_ok=True)
     (opts.work / "options.json").write_text(json.dumps({k: str(v) for k, v in asdict(opts).items()}, indent=2))
     source = resolve_source(opts.source)
     progress(f"[1/4] loading the target ({source.description})")
     target, _ = load_source(source)
-    prompts = training_prompts(opts.seed)
     if opts.init_from is None and opts.draft_vocab > manifest.model.vocab_size:
         raise ExportError(f"--draft-vocab {opts.draft_vocab} exceeds the target's vocabulary ({manifest.model.vocab_size})")
-    if opts.prompts > len(prompts):
-        raise ExportError(f"--prompts {opts.prompts} exceeds the {len(prompts)} training prompts")
-    progress(f"[2/4] target answers and features for {opts.prompts} prompts (resumable"
-             + (f"; {len(known)} recorded answers in {opts.answers} are reused" if known is not None else "") + ")")
     decoder = DecoderModel(manifest, opts.target_engine, "fp32")
     tok = Tokenizer.from_engine(opts.target_engine, manifest)
-    shards = build_shards(target, decoder, tok, prompts[:opts.prompts], opts.work / "data", manifest.tokenizer.eos_ids[0],
-                          manifest.tokenizer.pad_id, opts.max_new_tokens, progress=lambda s: progress("      " + s),
-                          known=known)
-    docs = package_documents() if (opts.text_tokens or opts.copy_prompts) else []
-    copy_note = "no copy tasks"
-    if opts.copy_prompts:
-        limit = manifest.model.max_position_embeddings - opts.max_new_tokens
-        made = copy_prompts(docs, opts.copy_prompts, opts.seed)
-        tasks = [t for t in made if len(tok.encode_chat(t["messages"])) <= limit]  # prompt and answer fit
-        if len(tasks) < len(made):
-            progress(f"      copy tasks: {len(made) - len(tasks)} of {len(made)} skipped, their prompt and "
-                     f"--max-new-tokens {opts.max_new_tokens} exceed the target's {manifest.model.max_position_embeddings} "
-                     "positions")
-        copy_note = (f"the target's answers to {len(tasks)} copy tasks (summarise / rewrite / explain a paragraph "
-                     f"or function taken from the same installed documents, fingerprint {fingerprint(docs)})")
-        progress(f"      copy tasks: {len(tasks)} prompts that carry a text or code to work from (resumable)")
-        folder = opts.work / "copy"
-        check_digest(folder, "prompts.sha256",
-                     hashlib.sha256(json.dumps([opts.max_new_tokens, tasks]).encode()).hexdigest(),
-                     f"the installed packages, --copy-prompts or --max-new-tokens changed since; delete {folder} "
-                     "to rebuild them, or pass --copy-prompts 0")
-        shards += build_shards(target, decoder, tok, tasks, folder, manifest.tokenizer.eos_ids[0],
-                               manifest.tokenizer.pad_id, opts.max_new_tokens,
-                               progress=lambda s: progress("      copy " + s), known=known)
+    docs = package_documents() if (opts.text_tokens or (opts.copy_prompts and recorded is None)) else []
+    if recorded is not None:
+        progress(f"[2/4] the engine's features for the {len(recorded)} answers in {opts.data} (resumable)")
+        shards = answer_feature_shards(decoder, [recorded.pair(i) for i in range(len(recorded))], opts.work / "answers",
+                                       progress=lambda s: progress("      " + s))
+        counts = ", ".join(f"{v} {k}" for k, v in recorded.meta.get("answers", {}).items())
+        data_note = (f"the target's greedy answers recorded in {opts.data.name} ({counts}; made by "
+                     f"{recorded.meta.get('made_by', 'python -m export answers')}) and its FP32 engine's "
+                     "teacher-forced features")
+    else:
+        prompts = training_prompts(opts.seed)
+        if opts.prompts > len(prompts):
+            raise ExportError(f"--prompts {opts.prompts} exceeds the {len(prompts)} training prompts")
+        progress(f"[2/4] target answers and features for {opts.prompts} prompts (resumable"
+                 + (f"; {len(known)} recorded answers in {opts.answers} are reused" if known is not None else "") + ")")
+        shards = build_shards(target, decoder, tok, prompts[:opts.prompts], opts.work / "data", manifest.tokenizer.eos_ids[0],
+                              manifest.tokenizer.pad_id, opts.max_new_tokens, progress=lambda s: progress("      " + s),
+                              known=known)
+        copy_note = "no copy tasks"
+        if opts.copy_prompts:
+            limit = manifest.model.max_position_embeddings - opts.max_new_tokens
+            made = copy_prompts(docs, opts.copy_prompts, opts.seed)
+            tasks = [t for t in made if len(tok.encode_chat(t["messages"])) <= limit]  # prompt and answer fit
+            if len(tasks) < len(made):
+                progress(f"      copy tasks: {len(made) - len(tasks)} of {len(made)} skipped, their prompt and "
+                         f"--max-new-tokens {opts.max_new_tokens} exceed the target's {manifest.model.max_position_embeddings} "
+                         "positions")
+            copy_note = (f"the target's answers to {len(tasks)} copy tasks (summarise / rewrite / explain a paragraph "
+                         f"or function taken from the same installed documents, fingerprint {fingerprint(docs)})")
+            progress(f"      copy tasks: {len(tasks)} prompts that carry a text or code to work from (resumable)")
+            folder = opts.work / "copy"
+            check_digest(folder, "prompts.sha256",
+                         hashlib.sha256(json.dumps([opts.max_new_tokens, tasks]).encode()).hexdigest(),
+                         f"the installed packages, --copy-prompts or --max-new-tokens changed since; delete {folder} "
+                         "to rebuild them, or pass --copy-prompts 0")
+            shards += build_shards(target, decoder, tok, tasks, folder, manifest.tokenizer.eos_ids[0],
+                                   manifest.tokenizer.pad_id, opts.max_new_tokens,
+                                   progress=lambda s: progress("      copy " + s), known=known)
+        data_note = (f"the target's greedy answers to {opts.prompts} project prompts (export/drafter/prompts.py) "
+                     f"and its FP32 engine's teacher-forced features; {copy_note}")
     answers = count_sequences(shards)
     text_note = "no teacher-forced text"
     if opts.text_tokens:
@@ -282,14 +348,15 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
         "temperatures": [float(t) for t in temps],
         "biases": [float(b) for b in biases],
         "training": {"command": " ".join(sys.argv), "options": {k: str(v) for k, v in asdict(opts).items()},
-                     "data": f"the target's greedy answers to {opts.prompts} project prompts "
-                             "(export/drafter/prompts.py) and its FP32 engine's teacher-forced features; "
-                             f"{copy_note}; {text_note}",
+                     "data": f"{data_note}; {text_note}",
                      "sequences": len(data), "tokens": int(data.tokens.size), "steps": result["steps"],
                      "validation": result["history"], "draft_vocab_coverage": coverage,
                      "minutes_this_run": round((time.perf_counter() - t0) / 60, 1)},
     }
     save_drafter(model, stage, meta)
+    write_learning_curve(stage / LEARNING_CURVE, opts.init_from, result["history"], seqs_per_step=tr_opts.seqs_per_step,
+                         train_answers=int(np.sum(np.asarray(train_ids) < answers)), held_out=len(val_ids),
+                         data=str(opts.data or opts.answers or opts.work))
     from .deepspec_export import DEEPSPEC_DIR, write_deepspec
 
     write_deepspec(model, target.config.to_dict(), stage / DEEPSPEC_DIR, mask_token_id=opts.mask_token_id

@@ -205,6 +205,38 @@ def build_shards(model, decoder, tokenizer, prompts: list[dict], folder: Path, e
     return paths
 
 
+def answer_feature_shards(decoder, pairs: list[tuple[list[int], list[int]]], folder: Path, top_k: int = 16,
+                          per_shard: int = ANSWERS_PER_SHARD, progress=None) -> list[Path]:
+    """Feature shards for recorded (prompt ids, answer ids) pairs, in order: nothing is
+    generated, the engine only teacher-forces each pair. The pairs may grow between runs (a data
+    campaign appends answers): shards already written are kept when their token ids equal the
+    pairs', a last shorter shard is rewritten, and a shard holding other tokens is refused (an
+    ExportError naming the fix), never mixed in."""
+    from dspark_edge.errors import ExportError
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [shard_path(folder, i) for i in range((len(pairs) + per_shard - 1) // per_shard)]
+
+    def rows(i: int) -> list[tuple[list[int], list[int]]]:
+        return pairs[i * per_shard:(i + 1) * per_shard]
+
+    def complete(i: int) -> bool:
+        with np.load(paths[i]) as shard:
+            tokens, n = shard["tokens"], int(shard["prompt_lens"].shape[0])
+        want = np.concatenate([np.asarray(p + a, dtype=np.int64) for p, a in rows(i)[:n]])
+        if not np.array_equal(tokens.astype(np.int64), want):
+            raise ExportError(f"{paths[i]} holds other answers than the answers file's; pass another --work "
+                              f"folder, or delete {folder} to compute the features again")
+        return n >= len(rows(i))
+
+    def make(i: int) -> str:
+        write_shard(paths[i], decoder, rows(i), top_k)
+        return f"{len(rows(i))} answers, {sum(len(a) for _, a in rows(i))} answer tokens"
+
+    fill_shards(paths, make, "features", progress, complete)
+    return paths
+
+
 def count_sequences(paths: list[Path]) -> int:
     """Sequences in these shards, reading only their prompt lengths (not the features)."""
     total = 0

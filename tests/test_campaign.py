@@ -1,0 +1,118 @@
+"""The drafter campaign over several runs: `train-drafter --data FILE` trains on every answer the
+data engine recorded (generating none), its feature shards grow with the file and refuse other
+answers, and a run started from a previous drafter carries that drafter's learning curve on."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dspark_edge.errors import ExportError
+from dspark_edge.manifest import read_manifest
+from dspark_export.answers import load_answers
+from dspark_export.data_engine import DataOptions, run
+
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_engine, tmp_path_factory):
+    """Answers files of 10 and then 14 of the tiny target's answers, from one data-engine work folder."""
+    root = tmp_path_factory.mktemp("campaign")
+    base = dict(target_engine=tiny_engine, work=root / "data", prompts=14, copy_prompts=0, max_new_tokens=MAX_NEW,
+                batch=4, per_shard=5)
+    run(DataOptions(answers=10, output=root / "a10.npz", **base), progress=lambda s: None)
+    run(DataOptions(answers=14, output=root / "a14.npz", **base), progress=lambda s: None)
+    return root / "a10.npz", root / "a14.npz"
+
+
+def _pairs(engine, path):
+    answers = load_answers(path, read_manifest(engine), MAX_NEW)
+    return [answers.pair(i) for i in range(len(answers))]
+
+
+def _decoder(engine):
+    from dspark_edge.decoder import DecoderModel
+
+    return DecoderModel(read_manifest(engine), engine, "fp32")
+
+
+def test_feature_shards_grow_with_the_answers_and_refuse_others(tiny_engine, recorded, tmp_path):
+    from dspark_export.drafter.data import answer_feature_shards, load_shards
+
+    small, large = (_pairs(tiny_engine, p) for p in recorded)
+    assert large[:len(small)] == small  # the data engine appends: the first answers stay in place
+    folder = tmp_path / "features"
+    answer_feature_shards(_decoder(tiny_engine), small, folder, per_shard=4)  # 4 + 4 + 2
+    first = (folder / "shard-00000.npz").read_bytes()
+    dec = _decoder(tiny_engine)
+    paths = answer_feature_shards(dec, large, folder, per_shard=4)  # the short last shard redone, one added
+    assert len(paths) == 4 and (folder / "shard-00000.npz").read_bytes() == first
+    data = load_shards(paths)
+    assert len(data) == len(large)
+    for i, (p, a) in enumerate(large):
+        lo, hi = data.span(i)
+        assert data.tokens[lo:hi].tolist() == p + a and int(data.prompt_lens[i]) == len(p)
+    assert data.aux.shape[0] == data.tokens.size
+    other = [(p, a[:-1] + [(a[-1] + 1) % 100]) if i == 1 else (p, a) for i, (p, a) in enumerate(large)]
+    with pytest.raises(ExportError, match="other answers than the answers file"):
+        answer_feature_shards(dec, other, folder, per_shard=4)
+
+
+def _train(engine, tiny_hf, data, work, output, **kw):
+    from dspark_export.drafter.build import TrainDrafterOptions, train_drafter
+
+    msgs: list[str] = []
+    opts = dict(target_engine=engine, output=output, work=work, source=str(tiny_hf), data=data, prompts=1,
+                max_new_tokens=MAX_NEW, text_tokens=0, copy_prompts=0, layers=1, slots=3, draft_vocab=150,
+                markov_rank=8, steps=4, seqs_per_step=4, anchors=6)
+    return train_drafter(TrainDrafterOptions(**{**opts, **kw}), progress=msgs.append), msgs
+
+
+def _curve(folder):
+    return [json.loads(line) for line in (folder / "learning_curve.jsonl").read_text().splitlines()]
+
+
+def test_training_on_recorded_answers_and_a_campaign_curve(tiny_engine, tiny_hf, recorded, tmp_path):
+    small, large = recorded
+    first, msgs = _train(tiny_engine, tiny_hf, small, tmp_path / "w1", tmp_path / "d1")
+    assert any("features for the 10 answers" in m for m in msgs)
+    assert not any("target answers" in m for m in msgs)  # nothing was generated
+    meta = json.loads((first / "drafter.json").read_text())
+    assert meta["training"]["sequences"] == 10 and "a10.npz" in meta["training"]["data"]
+    curve = _curve(first)
+    assert [r["run"] for r in curve] == [1] and curve[-1]["steps"] == 4 and curve[-1]["sequences_drawn"] == 16
+    assert curve[-1]["train_answers"] + curve[-1]["held_out_answers"] == 10
+    assert curve[-1]["tau"] == pytest.approx(meta["training"]["validation"][-1]["tau"], abs=1e-4)
+    # The next run: more answers, started from the first drafter; its curve goes on from the first's.
+    second, _ = _train(tiny_engine, tiny_hf, large, tmp_path / "w2", tmp_path / "d2", steps=3, init_from=first)
+    curve2 = _curve(second)
+    assert curve2[:len(curve)] == curve
+    assert curve2[-1]["run"] == 2 and curve2[-1]["run_step"] == 3 and curve2[-1]["steps"] == 7
+    assert curve2[-1]["sequences_drawn"] == 28
+    assert curve2[-1]["train_answers"] + curve2[-1]["held_out_answers"] == 14
+    assert np.array_equal(np.load(first / "weights.npz")["vocab_ids"], np.load(second / "weights.npz")["vocab_ids"])
+
+
+def test_data_and_answers_together_are_refused(tiny_engine, tmp_path):
+    from dspark_export.drafter.build import TrainDrafterOptions
+
+    with pytest.raises(ExportError, match="pass one of them"):
+        TrainDrafterOptions(target_engine=tiny_engine, output=tmp_path / "o", work=tmp_path / "w",
+                            data=tmp_path / "a.npz", answers=tmp_path / "b.npz")
+
+
+def test_a_damaged_learning_curve_is_refused_with_the_fix(tmp_path):
+    from dspark_export.drafter.build import write_learning_curve
+
+    prior = tmp_path / "prior"
+    prior.mkdir()
+    (prior / "learning_curve.jsonl").write_text('{"run": 1, "steps": 4, "sequences_drawn": 16}\n{"run": 1, "st')
+    with pytest.raises(ExportError, match="line 2 is not JSON"):
+        write_learning_curve(tmp_path / "c.jsonl", prior, [], 4, 10, 2, "x")
+    (prior / "learning_curve.jsonl").write_text('{"run": 1, "steps": 4, "sequences_drawn": 16}\n')
+    write_learning_curve(tmp_path / "c.jsonl", prior, [{"step": 2, "tau": 1.5, "reach": [0.5]}], 4, 10, 2, "x")
+    rows = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert rows[-1]["run"] == 2 and rows[-1]["steps"] == 6 and rows[-1]["sequences_drawn"] == 24
