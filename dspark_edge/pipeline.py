@@ -86,6 +86,8 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
                               engine_dir=engine_dir)
 
     pipe = Pipeline(manifest, engine_dir, target, tokenizer, make_drafter())
+    if isinstance(drafter, (str, Path)):
+        pipe._drafter_factory = make_drafter  # batch_slots gives each slot a drafter of its own
     if pipe.drafter is not None:
         bind = contract(pipe.drafter).bind_target  # a drafter lacking a method is refused here
         if bind is not None:  # and a cache it cannot share now, not mid-generation
@@ -182,6 +184,8 @@ class Pipeline:
         self._unloaded = False  # the drafter was released under memory pressure
         self.profile_status = "unused"
         self.observers: list = []  # see add_observer
+        self._drafter_factory = None  # makes another drafter like this one (load() sets it from a spec)
+        self._slot = None  # (BatchRunner, slot index) for a pipeline of batch_slots
         if 1 not in target.widths:
             raise ConfigError(f"plain decoding needs a width-1 target variant; this engine lists {target.widths}")
 
@@ -259,6 +263,42 @@ class Pipeline:
         twin.scheduler = scheduler
         twin._telemetry_of = self
         return twin
+
+    def batch_slots(self, n: int, gather_s: float = 0.02) -> list["Pipeline"]:
+        """``n`` pipelines over this one's loaded target whose generations run concurrently, one
+        thread each, their target passes batched (``dspark_edge.batching``): continuous batching
+        for a server. Each has a drafter of its own (made from the spec this pipeline was loaded
+        with) and its own scheduler with this one's cost curve; they read this pipeline's
+        telemetry and report to its observers. A slot drafts only while no other slot is
+        generating. Self-drafting (which runs over the target's own KV cache) cannot be
+        batched: a ConfigError names the fix."""
+        from .batching import BatchRunner, SlotModel
+
+        self._check_open()
+        if self.drafter is not None and self._drafter_factory is None:
+            raise ConfigError("batching needs a drafter per slot: load the pipeline with a drafter spec "
+                              "(e.g. drafter='ngram'), not a Drafter object")
+        runner = BatchRunner(self.target, n, gather_s)
+        slots = []
+        for i in range(n):
+            drafter = self._drafter_factory() if self.drafter is not None else None
+            model = SlotModel(runner, i)
+            if drafter is not None:
+                try:  # a drafter that drafts over the target's own KV cache refuses a slot's
+                    contract(drafter).bind_target(model, runner.caches[i])
+                except DSparkError as exc:
+                    raise ConfigError(f"the {drafter.name} drafter cannot be batched across requests ({exc}); "
+                                      "serve it with --parallel 1, or pick another drafter ('ngram', "
+                                      "'dspark')") from None
+            p = Pipeline(self.manifest, self.engine_dir, model, self.tokenizer, drafter)
+            p._slot, p._telemetry_of, p.observers = (runner, i), self, self.observers
+            if self.scheduler is not None:
+                cfg = self.scheduler.config
+                p.scheduler = Scheduler(CostModel(dict(self.scheduler.costs.verify_ms), 0.0, cfg.cost_window,
+                                                  cfg.min_observations), self.target.widths, cfg)
+                p._make_drafter = self._make_drafter
+            slots.append(p)
+        return slots
 
     def close(self) -> None:
         """Stop the telemetry thread and end this pipeline: a stream still running ends after its
@@ -401,9 +441,13 @@ class TextStream:
         except DSparkError:
             p._lock.release()
             raise
+        if p._slot is not None:
+            p._slot[0].join(p._slot[1])
         try:
             yield from self._decode(p)
         finally:
+            if p._slot is not None:
+                p._slot[0].leave(p._slot[1])
             p._shared.leave()
             p._lock.release()
 
@@ -514,7 +558,8 @@ class TextStream:
             policy = Scheduled(sched)
         else:
             policy = SurvivalCut(cfg.min_survival)
-        target = Target(p.target, p.telemetry, p.manifest.model.vocab_size, p._release_drafter)
+        room = (lambda: p._slot[0].draft_room(p._slot[1])) if p._slot is not None else (lambda: None)
+        target = Target(p.target, p.telemetry, p.manifest.model.vocab_size, p._release_drafter, room)
         return Speculator(target, cfg, drafter, policy, max_drafts, rng, coupled_seed)
 
     def _record(self, info: RoundInfo) -> None:

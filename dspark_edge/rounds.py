@@ -108,13 +108,16 @@ class RoundStats:
 @dataclass(frozen=True)
 class Target:
     """What the rounds use of the pipeline: the target model, the latest telemetry reading,
-    the vocabulary size drafts are checked against, and ``release``, which drops a drafter the
-    pipeline can load again (under a memory squeeze; the pipeline restores it later)."""
+    the vocabulary size drafts are checked against, ``release``, which drops a drafter the
+    pipeline can load again (under a memory squeeze; the pipeline restores it later), and
+    ``draft_room``, the most drafts this round may verify (None: no limit; a batched slot gets
+    0 while other requests step with it)."""
 
     model: object  # decoder.DecoderModel: step(cache, ids) -> logits, hidden; widths
     telemetry: Callable[[], Snapshot | None]
     vocab_size: int
     release: Callable[[], None]
+    draft_room: Callable[[], int | None] = lambda: None
 
 
 class Speculator:
@@ -161,6 +164,9 @@ class Speculator:
             self._unload(snap)
         # Propose: at most what the widths, the answer and the cache can still use.
         k_max = min(self.max_drafts, budget, cache.free - 1)
+        room = self.target.draft_room()
+        if room is not None:
+            k_max = min(k_max, room)
         draft, draft_ms, t_d = Draft.empty(), None, None
         if self.drafter is not None and k_max > 0 and wants:
             t_d = time.perf_counter()

@@ -5,10 +5,12 @@ events with ``"stream": true``), ``GET /v1/models``, ``GET /health`` and ``GET /
 pipeline's Prometheus counters and the server's own). Built on Starlette; ``serve`` runs it
 with uvicorn.
 
-Requests wait in a bounded queue, in arrival order, and one worker thread decodes them one at
-a time on the pipeline, with its drafter and scheduler: the answers are exactly what
-``Pipeline.generate`` gives for the same request. Several requests are not yet verified in one
-batched target pass. A full queue answers 429; a client that goes away (while queued or while
+Requests wait in a bounded queue, in arrival order. With ``parallel`` 1, one worker thread
+decodes them one at a time on the pipeline, with its drafter and scheduler: the answers are
+exactly what ``Pipeline.generate`` gives for the same request. With ``parallel`` N, N threads
+decode up to N requests at once on the slots of ``Pipeline.batch_slots`` (continuous batching:
+their width-1 steps share target passes; a request drafts while it is the only one decoding);
+greedy answers are still the pipeline's own. A full queue answers 429; a client that goes away (while queued or while
 its answer streams) cancels its request, which ends after the round in progress; a request
 running past ``request_timeout_s`` ends the same way and is answered 504 (or, mid-stream, with
 an error event). Bad requests get 400 with the field and the fix, in OpenAI's error shape.
@@ -49,8 +51,11 @@ class ServeConfig:
     max_tokens: int = 4096  # the largest max_tokens a request may ask for
     default_max_tokens: int = 256
     api_key: str | None = None
+    parallel: int = 1  # requests decoded at once (batched when more than 1)
 
     def __post_init__(self) -> None:
+        if not 1 <= self.parallel <= 64:
+            raise ConfigError(f"serve: --parallel must be between 1 and 64, got {self.parallel}")
         if self.max_queue < 1 or self.request_timeout_s <= 0 or not 1 <= self.default_max_tokens <= self.max_tokens:
             raise ConfigError("serve: --max-queue must be at least 1, --request-timeout positive, and the default "
                               "max_tokens between 1 and --max-tokens")
@@ -160,27 +165,37 @@ class Job:
 
 
 class Worker:
-    """One thread decoding queued jobs one at a time on ``pipe``."""
+    """Threads decoding queued jobs, one per pipeline of ``pipes`` (one pipeline: one request at
+    a time; the slots of ``Pipeline.batch_slots``: that many at once, batched)."""
 
-    def __init__(self, pipe, cfg: ServeConfig) -> None:
-        self.pipe, self.cfg = pipe, cfg
+    def __init__(self, pipes: list, cfg: ServeConfig) -> None:
+        self.pipes, self.cfg = pipes, cfg
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=cfg.max_queue)
-        self.busy = False
-        self.thread = threading.Thread(target=self._loop, name="dspark-serve", daemon=True)
-        self.thread.start()
+        self.running = 0  # requests being decoded now
+        self._count = threading.Lock()
+        self.threads = [threading.Thread(target=self._loop, args=(p,), name=f"dspark-serve-{i}", daemon=True)
+                        for i, p in enumerate(pipes)]
+        for t in self.threads:
+            t.start()
+
+    @property
+    def busy(self) -> bool:
+        return self.running > 0
 
     def submit(self, job: Job) -> None:
         job.deadline = time.monotonic() + self.cfg.request_timeout_s
         self.jobs.put_nowait(job)  # queue.Full: the caller answers 429
 
     def close(self) -> None:
-        try:
-            self.jobs.put_nowait(None)
-        except queue.Full:
-            pass
-        self.thread.join(timeout=30)
+        for _ in self.threads:
+            try:
+                self.jobs.put_nowait(None)
+            except queue.Full:
+                break
+        for t in self.threads:
+            t.join(timeout=30)
 
-    def _loop(self) -> None:
+    def _loop(self, pipe) -> None:
         while True:
             job = self.jobs.get()
             if job is None:
@@ -195,18 +210,20 @@ class Worker:
                 job.post("error", (504, f"the request waited in the queue past --request-timeout "
                                         f"({self.cfg.request_timeout_s:g} s); retry later"))
                 continue
-            self.busy = True
+            with self._count:
+                self.running += 1
             try:
-                self._run(job)
+                self._run(pipe, job)
             except Exception as exc:  # a fault outside the project's errors: answer 500, keep serving
                 log.exception("request failed")
                 job.post("error", (500, f"internal error: {type(exc).__name__}: {exc}"))
             finally:
-                self.busy = False
+                with self._count:
+                    self.running -= 1
 
-    def _run(self, job: Job) -> None:
+    def _run(self, pipe, job: Job) -> None:
         try:
-            stream = job.stream = self.pipe.stream(job.prompt, job.config)
+            stream = job.stream = pipe.stream(job.prompt, job.config)
         except DSparkError as exc:
             job.post("error", (400, str(exc)))
             return
@@ -239,7 +256,7 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
     from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
-    worker = Worker(pipe, cfg)
+    worker = Worker(pipe.batch_slots(cfg.parallel) if cfg.parallel > 1 else [pipe], cfg)
     counters = _server_counters(metrics)
 
     def fail(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
@@ -337,7 +354,8 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
                                                          "owned_by": "dspark_edge"}]})
 
     async def health(request: Request):
-        return JSONResponse({"status": "ok", "busy": worker.busy, "queued": worker.jobs.qsize()})
+        return JSONResponse({"status": "ok", "busy": worker.busy, "running": worker.running,
+                             "queued": worker.jobs.qsize()})
 
     async def prometheus(request: Request):
         if not authorised(request):

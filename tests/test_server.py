@@ -273,7 +273,8 @@ def test_an_api_key_is_required_when_set():
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
 
 
-def test_the_serve_command_answers_and_stops_on_sigterm(tiny_engine):
+@pytest.mark.parametrize("extra", [["--drafter", "none"], ["--drafter", "auto", "--parallel", "2"]])
+def test_the_serve_command_answers_and_stops_on_sigterm(tiny_engine, extra):
     import signal
     import subprocess
     import sys
@@ -282,7 +283,7 @@ def test_the_serve_command_answers_and_stops_on_sigterm(tiny_engine):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "dspark_edge", "serve", "--engine", str(tiny_engine), "--port",
-                             str(port), "--drafter", "none", "--model-name", "tiny"],
+                             str(port), "--model-name", "tiny", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -301,6 +302,8 @@ def test_the_serve_command_answers_and_stops_on_sigterm(tiny_engine):
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode in (0, 143) and "[serve] http://127.0.0.1" in err
+        if "--parallel" in extra:  # auto's ngram+self cannot be batched: the n-gram drafter is taken
+            assert "--drafter auto: 'ngram'" in err
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -326,3 +329,38 @@ def test_a_fault_in_the_pipeline_answers_500_and_the_server_goes_on():
             client(url).completions.create(model="fake", prompt="x", max_tokens=4)
         assert client(url).completions.create(model="fake", prompt="x", max_tokens=4).choices[0].text == "ab"
 
+
+
+def test_parallel_requests_are_batched_and_answered_as_alone(tiny_engine):
+    import dspark_edge
+    from dspark_edge.server import ServeConfig, build_app
+
+    prompts = ["def add(a, b):", "The quick brown fox", "one two three", "hello"]
+    with dspark_edge.load(tiny_engine, "fp32", drafter="ngram") as pipe:
+        want = [pipe.generate(p, max_new_tokens=24, ignore_eos=True).text for p in prompts]
+        app = build_app(pipe, ServeConfig(model="tiny", parallel=3))
+        with running(app) as url:
+            c, got = client(url), {}
+
+            def ask(i):
+                got[i] = c.completions.create(model="tiny", prompt=prompts[i], max_tokens=24, temperature=0,
+                                              extra_body={"ignore_eos": True}).choices[0].text
+
+            threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            assert [got.get(i) for i in range(len(prompts))] == want
+            runner = app.state.worker.pipes[0]._slot[0]
+            assert runner.passes["batched"] > 0  # the requests shared target passes
+            health = httpx.get(url + "/health", timeout=10).json()
+            assert health["running"] == 0 and not health["busy"]
+
+
+def test_parallel_must_be_in_range():
+    from dspark_edge.errors import ConfigError
+    from dspark_edge.server import ServeConfig
+
+    with pytest.raises(ConfigError, match="--parallel"):
+        ServeConfig(model="x", parallel=0)

@@ -7,15 +7,16 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError
-from .options import engine_args, load_engine
+from .options import backend_options, engine_args, load_engine
 
 
 def register(sub) -> None:
     """Add the ``serve`` command to the subparsers ``sub``."""
     s = sub.add_parser("serve", help="serve the engine over an OpenAI-compatible HTTP API (/v1/chat/completions)",
                        description="An OpenAI-compatible server: /v1/chat/completions, /v1/completions (streaming "
-                                   "or not), /v1/models, /health, /metrics. Requests are answered one at a time "
-                                   "in arrival order, each exactly as `generate` answers it.")
+                                   "or not), /v1/models, /health, /metrics. Requests are answered in arrival "
+                                   "order, one at a time exactly as `generate` answers them, or --parallel N at "
+                                   "once with their target steps batched.")
     engine_args(s)
     s.add_argument("--drafter", default="auto", help="the drafter, as for generate (default: %(default)s)")
     s.add_argument("--chat-template", default=None, metavar="FILE",
@@ -31,8 +32,29 @@ def register(sub) -> None:
                    help="requests waiting beyond the one being answered; more get 429 (default: %(default)s)")
     s.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take, queueing included; then it ends with 504 (default: %(default)s)")
+    s.add_argument("--parallel", type=int, default=1,
+                   help="requests decoded at once, their width-1 steps batched in one target pass (continuous "
+                        "batching; a request drafts while it is the only one decoding). Greedy answers stay "
+                        "the model's own. Self-drafting cannot be batched: with N > 1, --drafter auto picks "
+                        "among the others (default: %(default)s)")
     s.add_argument("--max-tokens", type=int, default=4096,
                    help="the largest max_tokens a request may ask for (default: %(default)s)")
+
+
+def batchable_auto(args) -> str:
+    """What --drafter auto stands for when requests are batched: auto's choice, without
+    self-drafting (it drafts over the target's own KV cache, which a batch slot cannot share)."""
+    from ..manifest import read_manifest
+    from ..pipeline import auto_drafter
+
+    manifest = read_manifest(Path(args.engine))
+    precision = args.precision or (manifest.precisions("target", args.backend) or [None])[0]
+    choice = auto_drafter(manifest, precision, args.backend, backend_options(args).providers)
+    if "self" in choice:
+        print(f"[serve] --drafter auto: 'ngram' ('{choice}' drafts over the target's own KV cache and cannot be "
+              "batched)", file=sys.stderr, flush=True)
+        return "ngram"
+    return choice
 
 
 def cmd_serve(args) -> int:
@@ -47,8 +69,10 @@ def cmd_serve(args) -> int:
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or None
     cfg = ServeConfig(model=args.model_name or Path(args.engine).resolve().name, max_queue=args.max_queue,
                       request_timeout_s=args.request_timeout, max_tokens=args.max_tokens,
-                      default_max_tokens=min(256, args.max_tokens), api_key=api_key)
+                      default_max_tokens=min(256, args.max_tokens), api_key=api_key, parallel=args.parallel)
     drafter = None if args.drafter == "none" else args.drafter
+    if cfg.parallel > 1 and drafter == "auto":
+        drafter = batchable_auto(args)
     pipe = load_engine(args, drafter)
     metrics = None
     try:
