@@ -1,10 +1,12 @@
 """Several clients at once: dspark_edge's server against llama-server on the same model and CPU.
 
     python bench/serve_load.py --engine engines/smollm2-135m [--clients 1,2,4] [--drafters none,auto]
-        [--llama-gguf .cache/llamacpp/work/target-f32.gguf] [--requests 8] [--max-tokens 64]
+        [--parallel 1,c] [--llama-gguf .cache/llamacpp/work/target-f32.gguf] [--requests 8] [--max-tokens 64]
 
-For each concurrency c, each server in turn (dspark_edge with each drafter, then llama-server
-with ``-np c`` when ``--llama-gguf`` is given: build it with bench/llamacpp_crosscheck.py),
+For each concurrency c, each server in turn (dspark_edge with each drafter at each ``--parallel``
+setting, "c" standing for the concurrency: ``serve --parallel c`` batches the requests; then
+llama-server with ``-np c`` when ``--llama-gguf`` is given: build it with
+bench/llamacpp_crosscheck.py),
 c client threads send the project's benchmark prompts (chat completions, streamed, greedy,
 ``--max-tokens`` each, EOS ignored where the server allows it) until ``--requests`` have been
 answered. Every server runs on 127.0.0.1 and is stopped when its turn ends; every request has a
@@ -111,6 +113,8 @@ def main() -> int:
     ap.add_argument("--clients", default="1,2,4")
     ap.add_argument("--drafters", default="none,auto", help="dspark_edge drafters to serve with, comma-separated")
     ap.add_argument("--llama-gguf", type=Path, default=None, help="the same model as a GGUF for llama-server")
+    ap.add_argument("--parallel", default="1", help="dspark_edge serve --parallel settings, comma-separated; "
+                                                     "'c' is the number of clients (default: %(default)s)")
     ap.add_argument("--requests", type=int, default=8, help="requests per server and concurrency")
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
@@ -120,9 +124,12 @@ def main() -> int:
     prompts = [p for p in load_prompts() if "messages" in p]
     report: dict = {"engine": str(args.engine), "max_tokens": args.max_tokens, "requests": args.requests, "runs": []}
     for clients in [int(c) for c in args.clients.split(",")]:
-        servers = [("dspark_edge " + d, [sys.executable, "-m", "dspark_edge", "serve", "--engine", str(args.engine),
-                                          "--drafter", d, "--max-queue", "64"], {"ignore_eos": True})
-                   for d in args.drafters.split(",")]
+        servers = []
+        for par in sorted({clients if p == "c" else int(p) for p in args.parallel.split(",")}):
+            servers += [(f"dspark_edge {d}" + (f" --parallel {par}" if par > 1 else ""),
+                         [sys.executable, "-m", "dspark_edge", "serve", "--engine", str(args.engine), "--drafter", d,
+                          "--max-queue", "64", "--parallel", str(par)], {"ignore_eos": True})
+                        for d in args.drafters.split(",")]
         if args.llama_gguf is not None:
             servers.append((f"llama-server -np {clients}", [str(SERVER), "-m", str(args.llama_gguf), "-np",
                                                               str(clients), "-c", str(4096 * clients), "-t",
