@@ -226,11 +226,10 @@ class Speculator:
             if self.hidden_rows is not None:
                 new_hidden = np.concatenate(self.hidden_rows) if self.hidden_rows else None
                 self.hidden_rows.clear()
-            verify_cost, offset = self.policy.hints()
             cfg = self.cfg
             proposal = self.drafter.propose(DraftRequest(
                 context, k_max, cfg.temperature, cfg.top_k, cfg.top_p, new_hidden, coupled_seed=self.seed,
-                position=position, verify_cost=verify_cost, confidence_offset=offset), self.rng)
+                position=position, yardstick=self.policy.yardstick(self.target.model.widths)), self.rng)
             check_draft(proposal, k_max, self.target.vocab_size)
         except Exception as exc:
             self._failed("propose", exc)

@@ -8,25 +8,65 @@ round cost and accepted. Every policy's choice for draft j depends only on the c
 before it and on past rounds, never on draft j itself: the early stop that keeps rejection
 sampling lossless. The round (``rounds.Speculator``) then verifies at the widest listed width
 the kept drafts fill. This module knows nothing of drafters or text.
+
+A drafter whose drafting costs per token (self-drafting) decides itself how far to draft, but
+never by a rule of its own: it asks the policy's ``Yardstick`` (``WidthPolicy.yardstick``), the
+expected tokens per millisecond of a round by the same rule and cost curve the scheduler
+chooses widths with, and brings only what it alone knows (its confidences so far, a guess for
+those it has not drawn, its time per draft).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from .scheduler import Decision, Scheduler
+from .scheduler import Decision, Scheduler, choose_width, shifted
 from .telemetry import Snapshot
+
+
+@dataclass(frozen=True)
+class Yardstick:
+    """A round's worth in expected tokens per millisecond, by the scheduler's rule: a round that
+    verifies drafts with survivals a_1..a_{w-1} at width w after ``spent_ms`` of drafting is
+    worth (1 + Σ a_j) / (spent_ms + cost(w)). ``cost``: the pass ms per listed width as the
+    cost model has it now; ``offset``: the online confidence offset (logits) the scheduler will
+    add to confidences calibrated elsewhere."""
+
+    cost: Callable[[int], float]
+    widths: tuple[int, ...]
+    offset: float = 0.0
+
+    def shifted(self, confidence) -> np.ndarray:
+        """Confidences as the scheduler will see them (the online offset added)."""
+        return shifted(confidence, self.offset)
+
+    def at(self, width: int, expected: float, spent_ms: float = 0.0) -> float:
+        """A round verifying at ``width`` whose drafts are expected to give ``expected`` accepted
+        tokens (the bonus token comes on top)."""
+        return (1.0 + expected) / (spent_ms + self.cost(width))
+
+    def plain(self) -> float:
+        """A round without drafts."""
+        return self.at(1, 0.0)
+
+    def best(self, confidence, spent_ms: float = 0.0, widths: Sequence[int] | None = None,
+             early_stop: bool = True) -> tuple[int, float]:
+        """(width, worth) of the best round over these drafts (the scheduler's ``choose_width``:
+        ``early_stop`` keeps the choice for draft j blind to draft j's own confidence)."""
+        return choose_width(confidence, self.widths if widths is None else widths,
+                            lambda w: spent_ms + self.cost(w), early_stop=early_stop)
 
 
 class WidthPolicy(Protocol):
     memory_low: bool  # memory is short: the round releases its drafter
 
-    def hints(self) -> tuple[Callable[[int], float] | None, float]:
-        """What a drafter that stops early may know: the target's pass cost per listed width
-        (None without a cost model) and the online confidence offset (logits)."""
+    def yardstick(self, widths: Sequence[int]) -> Yardstick | None:
+        """What a drafter that stops early measures a round with: the policy's cost curve over the
+        target's listed ``widths`` and its online confidence offset (None without a cost model)."""
 
     def wants_draft(self, snap: Snapshot | None) -> bool:
         """Before drafting: whether this round drafts at all."""
@@ -49,8 +89,8 @@ class _Unscheduled:
 
     memory_low = False
 
-    def hints(self):
-        return None, 0.0
+    def yardstick(self, widths):
+        return None
 
     def wants_draft(self, snap: Snapshot | None) -> bool:
         return True
@@ -90,8 +130,8 @@ class Scheduled:
     def memory_low(self) -> bool:
         return self.scheduler.memory_low
 
-    def hints(self):
-        return self.scheduler.costs.verify, self.scheduler.offset
+    def yardstick(self, widths):
+        return Yardstick(self.scheduler.costs.verify, tuple(widths), self.scheduler.offset)
 
     def wants_draft(self, snap: Snapshot | None) -> bool:
         return self.scheduler.wants_draft(snap)

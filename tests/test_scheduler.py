@@ -388,3 +388,20 @@ def test_drafting_time_is_kept_per_source():
     assert costs.drafting("self") == pytest.approx(40.0)
     assert 0.2 < costs.drafting() < 40.0 and costs.drafting("unseen") == costs.drafting()
     assert costs.round(2, source="self") == pytest.approx(51.0)
+
+
+def test_the_yardstick_measures_rounds_as_the_scheduler_chooses_them():
+    """What a drafter that stops early asks (widths.Yardstick): the scheduler's own rule, cost
+    curve and offset; a policy without a cost model gives none."""
+    from dspark_edge.scheduler import CostModel, Scheduler, choose_width, shifted
+    from dspark_edge.widths import FixedLength, Scheduled, SurvivalCut
+
+    costs = {1: 10.0, 2: 11.0, 4: 13.0, 8: 20.0}
+    sched = Scheduler(CostModel(costs, 0.0), tuple(costs))
+    sched.offset = -0.4
+    ys = Scheduled(sched).yardstick(tuple(costs))
+    conf = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3])
+    assert ys.best(conf, spent_ms=3.0) == choose_width(conf, tuple(costs), lambda w: 3.0 + sched.costs.verify(w))
+    assert ys.at(4, 1.5, 2.0) == pytest.approx(2.5 / 15.0) and ys.plain() == pytest.approx(0.1)
+    assert np.allclose(ys.shifted(conf), shifted(conf, -0.4))
+    assert FixedLength(3).yardstick(tuple(costs)) is None and SurvivalCut(0.3).yardstick(tuple(costs)) is None

@@ -13,6 +13,7 @@ from dspark_edge.backends.base import BackendError
 from dspark_edge.drafters import Draft, DraftRequest
 from dspark_edge.telemetry import FakeReader
 from dspark_edge.verify import judged
+from dspark_edge.widths import Yardstick
 from test_speculative_tiny import PROMPTS, _check_exact, _chi2_rejects, _exact_joint
 
 
@@ -98,7 +99,7 @@ def test_drafting_stops_where_it_does_not_pay(tiny_engine):
     pipe = dspark_edge.load(tiny_engine, "fp32", scheduler=False, drafter="self")
     d, _, ids = _bound(pipe, PROMPTS[9])
     flat = {w: 10.0 for w in pipe.target.widths}.__getitem__
-    request = DraftRequest(ids, 3, 0.0, 0, 1.0, verify_cost=flat)
+    request = DraftRequest(ids, 3, 0.0, 0, 1.0, yardstick=Yardstick(flat, pipe.target.widths))
     d.step_ms = 1e-3  # drafting costs nothing: every listed width is worth filling
     assert len(d.propose(request, np.random.default_rng(0))) == 3
     d.step_ms = 1e4  # a draft costs far more than a pass: not worth drafting at all
@@ -113,14 +114,15 @@ def test_ngram_drafts_are_used_where_they_promise_more(tiny_engine):
     text = "alpha beta gamma delta epsilon zeta eta theta iota kappa " * 3
     d, _, ids = _bound(pipe, text)
     costs = {w: 10.0 for w in pipe.target.widths}.__getitem__
+    request = DraftRequest(ids, 3, 0.0, 0, 1.0, yardstick=Yardstick(costs, pipe.target.widths))
     d.step_ms = 1e4  # the copy is too dear: the n-gram drafts of the repeated text are used
-    draft = d.propose(DraftRequest(ids, 3, 0.0, 0, 1.0, verify_cost=costs), np.random.default_rng(0))
+    draft = d.propose(request, np.random.default_rng(0))
     assert draft.source == "ngram" and len(draft) > 0 and draft.record["source"] == "ngram"
     d.feedback(len(draft), len(draft), ids)  # goes to the n-gram drafter, not the copy's counts
     assert d.tried.sum() == 0
     d.step_ms = 1e-3
     d.tried[:], d.accepted[:] = 1000, 1000  # a free copy that is always right: it drafts instead
-    again = d.propose(DraftRequest(ids, 3, 0.0, 0, 1.0, verify_cost=costs), np.random.default_rng(0))
+    again = d.propose(request, np.random.default_rng(0))
     assert again.source == "self" and again.observed is True
 
 
@@ -204,9 +206,9 @@ def test_with_a_fixed_length_ngram_drafts_are_used_when_they_reach_as_far(tiny_e
     d = pipe.drafter
     ng = lambda conf: Draft(np.arange(len(conf), dtype=np.int64), None, np.asarray(conf))  # noqa: E731
     d.tried[:], d.accepted[:] = 100, 90  # the copy: about 0.9 per draft, 2.44 of 3 expected
-    assert d._use_ngram(ng([0.95, 0.95, 0.95]), 3, None, 0.0)  # 2.71 expected: as far, and free
-    assert not d._use_ngram(ng([0.6, 0.6, 0.6]), 3, None, 0.0)  # 1.18 expected
-    assert not d._use_ngram(ng([0.99, 0.99]), 3, None, 0.0)  # fewer than asked for
+    assert d._use_ngram(ng([0.95, 0.95, 0.95]), 3, None)  # 2.71 expected: as far, and free
+    assert not d._use_ngram(ng([0.6, 0.6, 0.6]), 3, None)  # 1.18 expected
+    assert not d._use_ngram(ng([0.99, 0.99]), 3, None)  # fewer than asked for
 
 
 def _flat_copy_costs(d, ms: float = 1.0) -> None:
@@ -242,13 +244,13 @@ def test_how_many_guesses_the_copy_checks(tiny_engine):
     ng = lambda conf: Draft(np.arange(len(conf), dtype=np.int64), None, np.asarray(conf))  # noqa: E731
     d.tried[:], d.accepted[:] = 1000, 1000  # the copy: always right
     _flat_copy_costs(d)
-    assert d._stage_width(ng([0.9, 0.9, 0.9]), 4, 0.0) == 3  # a wider pass is free: all guesses
-    assert d._stage_width(ng([0.9, 0.9, 0.9]), 3, 0.0) == 2  # the chain never outgrows k
-    assert d._stage_width(ng([0.9, 0.9, 0.9]), 1, 0.0) == 0
+    assert d._stage_width(ng([0.9, 0.9, 0.9]), 4, None) == 3  # a wider pass is free: all guesses
+    assert d._stage_width(ng([0.9, 0.9, 0.9]), 3, None) == 2  # the chain never outgrows k
+    assert d._stage_width(ng([0.9, 0.9, 0.9]), 1, None) == 0
     from dspark_edge.scheduler import CostModel
     d.copy_costs = CostModel({1: 10.0, 2: 11.6, 3: 18.0, 4: 26.0}, 0.0)  # a steep curve
-    assert d._stage_width(ng([0.9, 0.9, 0.9]), 4, 0.0) == 1  # 1.9 / 11.6 ms beats 2.71 / 18 and 3.44 / 26
-    assert d._stage_width(ng([0.1, 0.9, 0.9]), 4, 0.0) == 0  # 1.1 / 11.6 ms loses to 1 / 10 ms
+    assert d._stage_width(ng([0.9, 0.9, 0.9]), 4, None) == 1  # 1.9 / 11.6 ms beats 2.71 / 18 and 3.44 / 26
+    assert d._stage_width(ng([0.1, 0.9, 0.9]), 4, None) == 0  # 1.1 / 11.6 ms loses to 1 / 10 ms
 
 
 @pytest.mark.parametrize("seen", [
@@ -341,7 +343,7 @@ def test_the_copy_stops_where_ngram_drafts_continue_it(tiny_engine):
     # A pass far dearer than a drafting step (however busy the machine): the choices turn on
     # the drafts' survivals alone.
     flat = {w: 1000.0 for w in pipe.target.widths}.__getitem__
-    request = DraftRequest(ids, 3, 0.0, 0, 1.0, verify_cost=flat)
+    request = DraftRequest(ids, 3, 0.0, 0, 1.0, yardstick=Yardstick(flat, pipe.target.widths))
     d.tried[:], d.accepted[:] = 1000, 900  # the copy: 90 % of its drafts accepted
     d.ngram = _Guesser([], extend=False, propose=False)
     d.step_ms = 1.0

@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from ..verify import judged
+from ..widths import Yardstick
 
 
 @dataclass
@@ -75,12 +76,11 @@ class DraftRequest:
     # position + i)`` so that it equals the target's token whenever q_i is close to p_i.
     coupled_seed: int | None = None
     position: int = 0
-    # With the scheduler: the target's cost (ms) of a verify pass at a listed width, as its cost
-    # model has it now, for drafters whose drafting costs per token (they may stop early).
-    verify_cost: Callable[[int], float] | None = None
-    # The scheduler's online confidence offset (logits), for a drafter that compares calibrated
-    # confidences of its own sources before the scheduler sees them.
-    confidence_offset: float = 0.0
+    # With the scheduler: its measure of a round (``widths.Yardstick``: expected tokens per ms
+    # by its rule and cost curve, and its online confidence offset), for a drafter whose
+    # drafting costs per token: it asks this whether drafting on pays. None: no cost model
+    # (a fixed draft length, or no scheduler).
+    yardstick: Yardstick | None = None
 
 
 class Drafter(Protocol):

@@ -12,9 +12,9 @@ exported for it and no second cache is held.
 A drafted token costs a step of the copy (on a 2-core AVX2 CPU an INT8 step is about 55 % of an
 FP32 step), so drafting stops early where the drafts are unlikely to be accepted: before each
 further draft, the expected tokens per millisecond of the round with it (its survival guessed
-from the last conditional confidence) must beat the round without it, with verify costs from
-the scheduler's corrected cost model (``DraftRequest.verify_cost``). Without one (a fixed draft
-length) it drafts the length asked for.
+from the last conditional confidence) must beat the round without it, as the width policy's
+``Yardstick`` measures rounds (``DraftRequest.yardstick``: the scheduler's rule on its
+corrected cost curve). Without one (a fixed draft length) it drafts the length asked for.
 
 Confidences: the observed acceptance rate of drafts, per bin of the copy's margin (top-1 minus
 top-2 probability) at that position, computed before the draft is drawn, so a width choice made
@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -74,8 +74,9 @@ from ..decoder import DecoderModel
 from ..errors import ConfigError, EngineError
 from ..manifest import Manifest, verify_role_files
 from ..sampling import coupled_pick, greedy_margin, probs, sample, top_margin
-from ..scheduler import CostModel, choose_width, shifted
+from ..scheduler import CostModel
 from ..verify import judged
+from ..widths import Yardstick
 from .base import BaseDrafter, Draft, DraftRequest
 
 log = logging.getLogger(__name__)
@@ -183,14 +184,14 @@ class SelfDrafter(BaseDrafter):
         b = int(np.searchsorted(MARGIN_EDGES, margin, side="right"))
         return b, float((self.accepted[b] + MARGIN_PRIOR[b] * PRIOR_WEIGHT) / (self.tried[b] + PRIOR_WEIGHT))
 
-    def _self_value(self, k_max: int, cost: Callable[[int], float]) -> float:
+    def _self_value(self, k_max: int, ys: Yardstick) -> float:
         """Expected tokens per ms of drafting with the copy, from its observed acceptance rate."""
         alpha, d = self.rate, max(self.step_ms, 1e-3)
-        best = 1.0 / cost(1)
-        for w in self._widths:
+        best = ys.plain()
+        for w in ys.widths:
             k = w - 1
             if 1 <= k <= k_max:
-                best = max(best, (1.0 + sum(alpha ** i for i in range(1, k + 1))) / (k * d + cost(w)))
+                best = max(best, ys.at(w, sum(alpha ** i for i in range(1, k + 1)), k * d))
         return best
 
     def propose(self, request: DraftRequest, rng: np.random.Generator) -> Draft:
@@ -205,25 +206,25 @@ class SelfDrafter(BaseDrafter):
         k_max = min(request.max_tokens, self.max_tokens)
         if k_max < 1:
             return Draft.empty()
-        cost = request.verify_cost
+        ys = request.yardstick
         guesses: list[int] = []
         if self.ngram is not None:
             ng = self.ngram.propose(request, rng)
-            if len(ng) and self._use_ngram(ng, k_max, cost, request.confidence_offset):
+            if len(ng) and self._use_ngram(ng, k_max, ys):
                 self._source = "ngram"
                 self._record = {"source": "ngram", "drafts": len(ng),
                                 "why": "the n-gram drafts promise more than the copy's"}
                 return ng
-            j = self._stage_width(ng, k_max, request.confidence_offset)
+            j = self._stage_width(ng, k_max, ys)
             guesses = [int(t) for t in ng.tokens[:j]]
         self._source = "self"
-        if cost is not None and self._self_value(k_max, cost) <= 1.0 / cost(1):
+        if ys is not None and self._self_value(k_max, ys) <= ys.plain():
             self._record = {"source": "self", "copied": 0, "continued": 0,
                             "why": "drafting with the copy is not expected to pay"}
             return Draft.empty()
-        return self._draft(request, k_max, cost, rng, guesses)
+        return self._draft(request, k_max, ys, rng, guesses)
 
-    def _extension(self, tokens: Sequence[int], room: int, offset: float) -> Draft:
+    def _extension(self, tokens: Sequence[int], room: int, ys: Yardstick | None) -> Draft:
         """The n-gram drafts continuing the copy's ``tokens`` (at most ``room``), their
         confidences as the scheduler would shift them."""
         if self.ngram is None or room < 1 or not tokens:
@@ -231,10 +232,10 @@ class SelfDrafter(BaseDrafter):
         ext = self.ngram.extend(tokens, room)
         if not len(ext):
             return ext
-        conf = ext.confidence if self.ngram.observed_confidence else shifted(ext.confidence, offset)
+        conf = ext.confidence if self.ngram.observed_confidence or ys is None else ys.shifted(ext.confidence)
         return Draft(ext.tokens, None, np.clip(np.asarray(conf, dtype=np.float64), 0.0, 1.0))
 
-    def _stage_width(self, ng: Draft, k_max: int, offset: float) -> int:
+    def _stage_width(self, ng: Draft, k_max: int, ys: Yardstick | None) -> int:
         """How many n-gram drafts the copy's first pass checks (0: none): the j whose pass of
         width j + 1 promises the most drafts per millisecond, a guess surviving with its n-gram
         confidence times the copy's acceptance rate. At most k_max - 1: the chain then never
@@ -244,13 +245,14 @@ class SelfDrafter(BaseDrafter):
         n = min(len(ng), k_max - 1)
         if costs is None or n < 1 or 1 not in costs.verify_ms:
             return 0
-        conf = ng.confidence if self.ngram.observed_confidence else shifted(ng.confidence, offset)
+        conf = ng.confidence if self.ngram.observed_confidence or ys is None else ys.shifted(ng.confidence)
         guessed = np.clip(np.asarray(conf[:n], dtype=np.float64), 0.0, 1.0) * self.rate
-        width, _ = choose_width(guessed, list(costs.verify_ms), costs.verify, early_stop=False)
+        # The copy's own pass, measured by the same rule on the copy's cost curve.
+        width, _ = Yardstick(costs.verify, tuple(costs.verify_ms)).best(guessed, early_stop=False)
         return width - 1
 
-    def _use_ngram(self, ng: Draft, k_max: int, cost, offset: float) -> bool:
-        if cost is None:  # a fixed draft length: the n-gram drafts, free, if they reach as far
+    def _use_ngram(self, ng: Draft, k_max: int, ys: Yardstick | None) -> bool:
+        if ys is None:  # a fixed draft length: the n-gram drafts, free, if they reach as far
             if len(ng) < k_max:
                 return False
             reach = float(np.cumprod(np.clip(ng.confidence[:k_max], 0.0, 1.0)).sum())
@@ -259,11 +261,11 @@ class SelfDrafter(BaseDrafter):
         if len(fits) < 2:
             return False
         # As the scheduler will shift them (observed rates it leaves as they are).
-        conf = ng.confidence if self.ngram.observed_confidence else shifted(ng.confidence, offset)
-        _, value = choose_width(conf, fits, cost)
-        return value >= self._self_value(k_max, cost)
+        conf = ng.confidence if self.ngram.observed_confidence else ys.shifted(ng.confidence)
+        _, value = ys.best(conf, widths=fits)
+        return value >= self._self_value(k_max, ys)
 
-    def _draft(self, request: DraftRequest, k_max: int, cost, rng: np.random.Generator,
+    def _draft(self, request: DraftRequest, k_max: int, ys: Yardstick | None, rng: np.random.Generator,
                guesses: Sequence[int] = ()) -> Draft:
         cache, view = self._target_cache, self._view
         self._guesses, self._agreed, self._copied = [], 0, 0
@@ -284,13 +286,12 @@ class SelfDrafter(BaseDrafter):
         survival, expected, last_c = 1.0, 0.0, self.rate
         staged_ms, steps = 0.0, 0  # drafting so far: the staged pass, then steps of width 1
         ext, ext_at = Draft.empty(), -1  # the n-gram drafts continuing the first ext_at drafts
-        offset = request.confidence_offset
-        fill_ms = self._target_pass_ms(k_max + 1) if cost is None and self.ngram is not None else None
+        fill_ms = self._target_pass_ms(k_max + 1) if ys is None and self.ngram is not None else None
 
         def extension() -> Draft:
             nonlocal ext, ext_at
             if ext_at != len(tokens):
-                ext, ext_at = self._extension(tokens, k_max - len(tokens), offset), len(tokens)
+                ext, ext_at = self._extension(tokens, k_max - len(tokens), ys), len(tokens)
             return ext
 
         def guessed(n: int) -> float:
@@ -352,7 +353,7 @@ class SelfDrafter(BaseDrafter):
                 self.staged[2] += self._agreed
             stop, why = False, "every length asked for"
             for goal in listed:
-                if cost is not None and tokens and goal > len(tokens):
+                if ys is not None and tokens and goal > len(tokens):
                     # Before drafting up to ``goal``: does the round with them promise more tokens
                     # per ms than the round as it stands? Their conditional confidences are guessed
                     # as the last one (they are not drawn yet). Where n-gram drafts continue the
@@ -363,22 +364,21 @@ class SelfDrafter(BaseDrafter):
                     more_ms = spent + (goal - len(tokens)) * d
                     # The round as it stands verifies at the widest listed width its drafts fill.
                     fit = max(w for w in self._widths if w <= len(tokens) + 1)
-                    now = (1.0 + float(np.cumprod(conf[:fit - 1]).sum())) / (spent + cost(fit))
-                    more = guessed(goal - len(tokens))
-                    more = (1.0 + expected + more) / (more_ms + cost(goal + 1))
+                    now = ys.at(fit, float(np.cumprod(conf[:fit - 1]).sum()), spent)
+                    more = ys.at(goal + 1, expected + guessed(goal - len(tokens)), more_ms)
                     why = "further drafts not expected to pay"
                     if len(extension()):
                         after = list(ext.confidence)
-                        with_ext = choose_width(conf + after, self._widths, lambda w: spent + cost(w))[1]
+                        with_ext = ys.best(conf + after, spent)[1]
                         if with_ext > now:
                             now, why = with_ext, "the n-gram continuation promises more than further drafts"
                         guess = (conf + [last_c] * (goal - len(tokens)) + after)[:k_max]
-                        more = max(more, choose_width(guess, self._widths, lambda w: more_ms + cost(w))[1])
+                        more = max(more, ys.best(guess, more_ms)[1])
                     if more <= now:
                         break
                     why = "every length asked for"
                 while len(tokens) < goal:
-                    if cost is None and tokens and fills():
+                    if ys is None and tokens and fills():
                         stop, why = True, "the n-gram continuation completes the length asked for"
                         break
                     t = time.perf_counter()
@@ -397,7 +397,7 @@ class SelfDrafter(BaseDrafter):
         n = min(len(tokens), k_max)
         del tokens[n:], qs[n:], conf[n:]
         self._copied = n
-        more = extension() if cost is not None or stop else Draft.empty()
+        more = extension() if ys is not None or stop else Draft.empty()
         if len(more):
             # The n-gram drafts after the copy's: deterministic given the drafts before them,
             # so each is drawn from a point mass at itself.
