@@ -53,24 +53,18 @@ class BatchRunner:
     buffer layout. Thread-safe: each slot is driven by one thread at a time."""
 
     def __init__(self, model, slots: int, gather_s: float = 0.02) -> None:
-        session = model.session
-        if model.backend != "onnxruntime" or getattr(session, "layout", None) is not None:
+        if model.backend != "onnxruntime" or not hasattr(model.session, "new_rows"):
             raise ConfigError("batching several requests needs the onnxruntime backend and the fused graph "
                               "(its shared K/V buffer); serve with --parallel 1 on this engine")
         if slots < 1:
             raise ConfigError(f"--parallel must be at least 1, got {slots}")
-        import onnxruntime as ort
-
-        self.model, self.session, self.slots = model, session, slots
-        self.capacity = session.capacity
+        self.model, self.session, self.slots = model, model.session, slots
+        self.capacity = self.session.capacity
         self.gather_s = gather_s
-        _, heads, cap, dim = session._buffer_shape
-        self._row_shape = (heads, cap, dim)
-        self._dtype = session.kv_dtype
-        self._row_bytes = heads * cap * dim * np.dtype(self._dtype).itemsize
-        self._buffers = [np.zeros((slots, heads, cap, dim), dtype=self._dtype) for _ in session._kv_names]
-        self._values = [ort.OrtValue.ortvalue_from_numpy(b) for b in self._buffers]  # keep alive
-        self._bases = [int(v.data_ptr()) for v in self._values]
+        try:
+            self._kv = self.session.new_rows(slots)
+        except BackendError as exc:
+            raise ConfigError(f"{exc}; serve with --parallel 1 on this engine") from None
         self.caches = [SlotCache(self.capacity, s) for s in range(slots)]
         self._cond = threading.Condition()
         self._active: set[int] = set()
@@ -140,36 +134,15 @@ class BatchRunner:
             self._running = False
             self._cond.notify_all()
 
-    def _bind_rows(self, binding, first: int, rows: int) -> None:
-        shape = [rows, *self._row_shape]
-        for (past, present), base in zip(self.session._kv_names, self._bases):
-            ptr = base + first * self._row_bytes
-            binding.bind_input(past, "cpu", 0, self._dtype, shape, ptr)
-            binding.bind_output(present, "cpu", 0, self._dtype, shape, ptr)
-
     def _run(self, first: int, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        s, io = self.session, self.session.io
-        b = s.session.io_binding()
-        rows, width = ids.shape
-        b.bind_cpu_input(io.input_ids, ids)
-        b.bind_cpu_input(io.attention_mask, mask)
-        self._bind_rows(b, first, rows)
-        logits = np.empty((rows, width, self.model.manifest.model.vocab_size), dtype=np.float32)
-        b.bind_output(io.logits, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-        hidden = None
-        if s._hidden_width:
-            hidden = np.empty((rows, width, s._hidden_width), dtype=np.float32)
-            b.bind_output(io.hidden_states, "cpu", 0, np.float32, list(hidden.shape), hidden.ctypes.data)
-        s.session.run_with_iobinding(b)
-        return logits, hidden
+        return self.session.run_rows(self._kv, first, ids, mask)
 
     def _single(self, slot: int, ids: np.ndarray) -> ForwardOutput | BaseException:
         length = self.caches[slot].length
         try:
             logits, hidden = self._run(slot, ids.reshape(1, -1), np.ones((1, length + ids.shape[0]), dtype=np.int64))
-        except Exception as exc:
-            return BackendError(f"onnxruntime failed running slot {slot} at width {ids.shape[0]}, past length "
-                                f"{length}: {exc}")
+        except BackendError as exc:
+            return exc
         self.passes["single"] += 1
         return ForwardOutput(logits[0], None if hidden is None else hidden[0])
 
@@ -190,10 +163,9 @@ class BatchRunner:
             mask[r, :lengths[r] + 1] = 1
         try:
             logits, hidden = self._run(0, ids, mask)
-        except Exception as exc:
-            err = BackendError(f"onnxruntime failed running a batched step of {len(steps)} slots: {exc}")
+        except BackendError as exc:
             for s in steps:
-                self._results[s] = err
+                self._results[s] = exc
             return
         self.passes["batched"] += 1
         self.passes["rows"] += len(steps)

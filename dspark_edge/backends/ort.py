@@ -204,6 +204,19 @@ class OrtKVCache(KVCache):
         self.pointers = [int(b.data_ptr()) for b in buffers]
 
 
+class OrtKVRows:
+    """K/V buffers for several caches in one allocation per layer, [rows, kv heads, capacity,
+    head dim]: row r is one cache's buffer (the fused graph's shared-buffer layout), so a pass
+    over rows first..first+n-1 binds one contiguous block (``OrtDecoder.run_rows``)."""
+
+    def __init__(self, arrays: list[np.ndarray], values: list) -> None:
+        self.arrays, self.values = arrays, values  # the OrtValues wrap the arrays' memory
+        self.rows = arrays[0].shape[0]
+        self.row_shape = tuple(arrays[0].shape[1:])
+        self.row_bytes = int(np.prod(self.row_shape)) * arrays[0].itemsize
+        self.bases = [int(v.data_ptr()) for v in values]
+
+
 class OrtDecoder:
     """A decoder graph in an ONNX Runtime session (see module docstring)."""
 
@@ -288,6 +301,45 @@ class OrtDecoder:
         view = OrtKVCache(cache.capacity, cache.buffers, binding)
         view.length = cache.length
         return view
+
+    # -- several caches in one pass (continuous batching, ``dspark_edge.batching``) -----------
+    def new_rows(self, rows: int) -> OrtKVRows:
+        """K/V buffers for ``rows`` caches of this session, one row each (CPU, shared-buffer
+        layout only: a BackendError otherwise)."""
+        if self.layout is not None or self.device != "cpu":
+            raise BackendError(f"{self.path}: several caches in one pass need the fused graph's shared K/V "
+                               "buffer on the CPU")
+        ort = _import_ort()
+        shape = (rows, *self._buffer_shape[1:])
+        arrays = [np.zeros(shape, dtype=self.kv_dtype) for _ in self._kv_names]
+        return OrtKVRows(arrays, [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])
+
+    def run_rows(self, kv: OrtKVRows, first: int, ids: np.ndarray,
+                 mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """One pass over rows ``first`` … ``first + n - 1`` of ``kv``: ``ids`` [n, S], ``mask``
+        [n, T] (row r's ones: its committed positions and the S new ones). Returns new arrays,
+        logits [n, S, V] and hidden states [n, S, H * layers] (None when the graph has none)."""
+        rows, width = ids.shape
+        b, io = self.session.io_binding(), self.io
+        b.bind_cpu_input(io.input_ids, ids)
+        b.bind_cpu_input(io.attention_mask, mask)
+        shape = [rows, *kv.row_shape]
+        for (past, present), base in zip(self._kv_names, kv.bases):
+            ptr = base + first * kv.row_bytes
+            b.bind_input(past, "cpu", 0, self.kv_dtype, shape, ptr)
+            b.bind_output(present, "cpu", 0, self.kv_dtype, shape, ptr)
+        logits = np.empty((rows, width, self.model.vocab_size), dtype=np.float32)
+        b.bind_output(io.logits, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        hidden = None
+        if self._hidden_width:
+            hidden = np.empty((rows, width, self._hidden_width), dtype=np.float32)
+            b.bind_output(io.hidden_states, "cpu", 0, np.float32, list(hidden.shape), hidden.ctypes.data)
+        try:
+            self.session.run_with_iobinding(b)
+        except Exception as exc:
+            raise BackendError(f"onnxruntime failed running {self.path} over {rows} rows at width {width}: "
+                               f"{exc}") from exc
+        return logits, hidden
 
     def _bind_append(self, cache: OrtKVCache, width: int) -> None:
         """Bind past to each buffer's committed prefix and the new K/V right after it."""
