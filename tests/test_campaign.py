@@ -94,6 +94,11 @@ def test_training_on_recorded_answers_and_a_campaign_curve(tiny_engine, tiny_hf,
     assert curve2[-1]["sequences_drawn"] == 28
     assert curve2[-1]["train_answers"] + curve2[-1]["held_out_answers"] == 14
     assert np.array_equal(np.load(first / "weights.npz")["vocab_ids"], np.load(second / "weights.npz")["vocab_ids"])
+    # Extended in its work folder after it overwrote its start: the curve it started from is kept.
+    third, _ = _train(tiny_engine, tiny_hf, large, tmp_path / "w2", first, steps=5, init_from=first)
+    curve3 = _curve(third)
+    assert curve3[:len(curve)] == curve and [r["run"] for r in curve3[len(curve):]] == [2, 2]
+    assert curve3[-1]["steps"] == 9 and curve3[-1]["run_step"] == 5
 
 
 def test_data_and_answers_together_are_refused(tiny_engine, tmp_path):
@@ -107,12 +112,11 @@ def test_data_and_answers_together_are_refused(tiny_engine, tmp_path):
 def test_a_damaged_learning_curve_is_refused_with_the_fix(tmp_path):
     from dspark_export.drafter.build import write_learning_curve
 
-    prior = tmp_path / "prior"
-    prior.mkdir()
-    (prior / "learning_curve.jsonl").write_text('{"run": 1, "steps": 4, "sequences_drawn": 16}\n{"run": 1, "st')
+    prior = tmp_path / "prior.jsonl"
+    prior.write_text('{"run": 1, "steps": 4, "sequences_drawn": 16}\n{"run": 1, "st')
     with pytest.raises(ExportError, match="line 2 is not JSON"):
         write_learning_curve(tmp_path / "c.jsonl", prior, [], 4, 10, 2, "x")
-    (prior / "learning_curve.jsonl").write_text('{"run": 1, "steps": 4, "sequences_drawn": 16}\n')
+    prior.write_text('{"run": 1, "steps": 4, "sequences_drawn": 16}\n')
     write_learning_curve(tmp_path / "c.jsonl", prior, [{"step": 2, "tau": 1.5, "reach": [0.5]}], 4, 10, 2, "x")
     rows = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
     assert rows[-1]["run"] == 2 and rows[-1]["steps"] == 6 and rows[-1]["sequences_drawn"] == 24

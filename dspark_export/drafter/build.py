@@ -70,16 +70,15 @@ class TrainDrafterOptions:
 LEARNING_CURVE = "learning_curve.jsonl"
 
 
-def write_learning_curve(path: Path, init_from: Path | None, history: list[dict], seqs_per_step: int,
+def write_learning_curve(path: Path, prior: Path | None, history: list[dict], seqs_per_step: int,
                          train_answers: int, held_out: int, data: str) -> None:
     """``path``: the learning curve of a drafter across the runs that made it, one JSON line per
     validation: the run (1 = trained from the target's layers; each ``--init-from`` run adds
     one), optimizer steps and sequences drawn since the first run, the training and held-out
-    answers this run had, and the held-out τ and per-position reach. A run started from a folder
-    carries that folder's curve over, so a campaign's curve is one file, committed with its
-    weights."""
+    answers this run had, and the held-out τ and per-position reach. ``prior``: the curve of
+    the folder this run started from (``start_curve``), carried over, so a campaign's curve is
+    one file, committed with its weights."""
     rows: list[dict] = []
-    prior = init_from / LEARNING_CURVE if init_from is not None else None
     if prior is not None and prior.is_file():
         for line in prior.read_text(encoding="utf-8").splitlines():
             try:
@@ -99,6 +98,17 @@ def write_learning_curve(path: Path, init_from: Path | None, history: list[dict]
                      "held_out_answers": held_out, "tau": round(h["tau"], 4),
                      "reach": [round(r, 4) for r in h["reach"]], "data": data})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def start_curve(work: Path, init_from: Path) -> Path:
+    """The learning curve ``init_from`` had when this work folder's run started, kept in the
+    work folder: a run resumed or extended there later carries the same curve over, even after
+    it has overwritten ``init_from`` with its own output."""
+    kept = work / f"start_{LEARNING_CURVE}"
+    if not kept.is_file():
+        src = init_from / LEARNING_CURVE
+        kept.write_text(src.read_text(encoding="utf-8") if src.is_file() else "", encoding="utf-8")
+    return kept
 
 
 def _read_init(folder: Path, target_engine: Path, manifest):
@@ -298,6 +308,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     train_ids, val_ids = recorded_split(data, opts.work, answers, seed=opts.seed)
     vocab_path = opts.work / "vocab_ids.npy"
     init = _read_init(opts.init_from, opts.target_engine, manifest) if opts.init_from is not None else None
+    prior_curve = start_curve(opts.work, opts.init_from) if opts.init_from is not None else None
     if init is not None and vocab_path.is_file() and not np.array_equal(np.load(vocab_path), init[1]["vocab_ids"]):
         raise ExportError(f"{opts.work} was started with another draft vocabulary than {opts.init_from}'s; "
                           "pass another --work folder")
@@ -354,7 +365,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
                      "minutes_this_run": round((time.perf_counter() - t0) / 60, 1)},
     }
     save_drafter(model, stage, meta)
-    write_learning_curve(stage / LEARNING_CURVE, opts.init_from, result["history"], seqs_per_step=tr_opts.seqs_per_step,
+    write_learning_curve(stage / LEARNING_CURVE, prior_curve, result["history"], seqs_per_step=tr_opts.seqs_per_step,
                          train_answers=int(np.sum(np.asarray(train_ids) < answers)), held_out=len(val_ids),
                          data=str(opts.data or opts.answers or opts.work))
     from .deepspec_export import DEEPSPEC_DIR, write_deepspec
