@@ -5,6 +5,7 @@ answers, and a run started from a previous drafter carries that drafter's learni
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,3 +121,25 @@ def test_a_damaged_learning_curve_is_refused_with_the_fix(tmp_path):
     write_learning_curve(tmp_path / "c.jsonl", prior, [{"step": 2, "tau": 1.5, "reach": [0.5]}], 4, 10, 2, "x")
     rows = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
     assert rows[-1]["run"] == 2 and rows[-1]["steps"] == 6 and rows[-1]["sequences_drawn"] == 24
+
+
+CAMPAIGN = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m-campaign"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (CAMPAIGN / "weights.npz").is_file(), reason="no campaign drafter is committed")
+def test_the_committed_campaign_drafter_is_small_and_starts_the_next_run(default_engine):
+    """The checkpoint the next session resumes the campaign from: its trainable weights fit the
+    budget, it loads against the embedded default as --init-from does, and its learning curve
+    is whole (steps increasing, the last τ the one its drafter.json reports)."""
+    from dspark_export.drafter.build import read_init
+
+    assert (CAMPAIGN / "weights.npz").stat().st_size <= 25 * 2**20
+    cfg, weights = read_init(CAMPAIGN, default_engine, read_manifest(default_engine))
+    assert weights["vocab_ids"].shape == (cfg.draft_vocab,)
+    meta = json.loads((CAMPAIGN / "drafter.json").read_text())
+    curve = _curve(CAMPAIGN)
+    steps = [r["steps"] for r in curve]
+    assert steps == sorted(set(steps)) and all(1.0 <= r["tau"] <= cfg.slots + 1 for r in curve)
+    assert curve[-1]["tau"] == pytest.approx(meta["training"]["validation"][-1]["tau"], abs=1e-4)
+    assert "--data" in meta["training"]["command"]

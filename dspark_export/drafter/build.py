@@ -111,7 +111,7 @@ def start_curve(work: Path, init_from: Path) -> Path:
     return kept
 
 
-def _read_init(folder: Path, target_engine: Path, manifest):
+def read_init(folder: Path, target_engine: Path, manifest):
     """(config, weights) of a drafter folder to start from, checked against the target."""
     from .install import _check_trained
     from .model import DraftConfig
@@ -307,7 +307,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     data = load_shards(shards)
     train_ids, val_ids = recorded_split(data, opts.work, answers, seed=opts.seed)
     vocab_path = opts.work / "vocab_ids.npy"
-    init = _read_init(opts.init_from, opts.target_engine, manifest) if opts.init_from is not None else None
+    init = read_init(opts.init_from, opts.target_engine, manifest) if opts.init_from is not None else None
     prior_curve = start_curve(opts.work, opts.init_from) if opts.init_from is not None else None
     if init is not None and vocab_path.is_file() and not np.array_equal(np.load(vocab_path), init[1]["vocab_ids"]):
         raise ExportError(f"{opts.work} was started with another draft vocabulary than {opts.init_from}'s; "
