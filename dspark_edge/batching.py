@@ -32,11 +32,10 @@ import time
 import numpy as np
 
 from .backends import ForwardOutput, KVCache
+from .decoder import PREFILL_CHUNK, prefill_in_chunks
 from .errors import BackendError, ConfigError
 
 log = logging.getLogger(__name__)
-
-PREFILL_CHUNK = 128
 
 
 class SlotCache(KVCache):
@@ -193,13 +192,4 @@ class SlotModel:
 
     def prefill(self, cache: SlotCache, ids: np.ndarray, chunk: int = PREFILL_CHUNK,
                 hidden_sink: list | None = None) -> ForwardOutput:
-        out = None
-        for start in range(0, ids.shape[0], chunk):
-            part = ids[start:start + chunk]
-            out = self.runner.forward(cache, part)
-            cache.commit(part.shape[0])
-            if hidden_sink is not None and out.hidden is not None:
-                hidden_sink.append(out.hidden.copy())
-        if out is None:
-            raise ConfigError("prefill needs at least one token")
-        return out
+        return prefill_in_chunks(self.runner.forward, cache, ids, chunk, hidden_sink)

@@ -79,14 +79,21 @@ class DecoderModel:
                 hidden_sink: list | None = None) -> ForwardOutput:
         """Run and commit all of ``ids``; returns the last chunk's output. With ``hidden_sink``,
         a copy of every chunk's hidden states ([n, H * layers]) is appended to it."""
-        out = None
         chunk = min(chunk, self.session.max_step)  # e.g. a TensorRT engine's prefill profile
-        for start in range(0, ids.shape[0], chunk):
-            part = ids[start:start + chunk]
-            out = self.session.forward(cache, part)
-            cache.commit(part.shape[0])
-            if hidden_sink is not None and out.hidden is not None:
-                hidden_sink.append(out.hidden.copy())
-        if out is None:
-            raise ConfigError("prefill needs at least one token")
-        return out
+        return prefill_in_chunks(self.session.forward, cache, ids, chunk, hidden_sink)
+
+
+def prefill_in_chunks(forward, cache: KVCache, ids: np.ndarray, chunk: int,
+                      hidden_sink: list | None = None) -> ForwardOutput:
+    """``forward(cache, part)`` over ``ids`` in chunks of at most ``chunk``, committing each;
+    the last chunk's output (see ``DecoderModel.prefill``)."""
+    out = None
+    for start in range(0, ids.shape[0], chunk):
+        part = ids[start:start + chunk]
+        out = forward(cache, part)
+        cache.commit(part.shape[0])
+        if hidden_sink is not None and out.hidden is not None:
+            hidden_sink.append(out.hidden.copy())
+    if out is None:
+        raise ConfigError("prefill needs at least one token")
+    return out

@@ -229,15 +229,24 @@ def test_requests_past_the_timeout_get_504_running_or_queued():
     pipe = BlockingPipe()  # never released: the running request ends by its timeout
     app = build_app(pipe, ServeConfig(model="fake", max_queue=2, request_timeout_s=1.5))
     with running(app) as url:
-        c, outcome = client(url), {}
-        threads = [threading.Thread(target=_ask, args=(c, outcome, n, n), daemon=True) for n in ("running", "queued")]
-        threads[0].start()
-        assert pipe.started.wait(30)
-        threads[1].start()
-        for t in threads:
-            t.join(timeout=30)
-        assert outcome == {"running": 504, "queued": 504}
+        assert _running_then_queued(url, pipe) == {"running": 504, "queued": 504}
         assert not httpx.get(url + "/health", timeout=10).json()["busy"]
+
+
+def _running_then_queued(url, pipe, wait_s=0.0, join_s=30.0) -> dict:
+    """Ask twice: "running" (the pipe starts it) and then "queued"; after ``wait_s`` release the
+    pipe. What each got: its text or its HTTP status."""
+    c, outcome = client(url), {}
+    threads = [threading.Thread(target=_ask, args=(c, outcome, n, n), daemon=True) for n in ("running", "queued")]
+    threads[0].start()
+    assert pipe.started.wait(30)
+    threads[1].start()
+    if wait_s:
+        time.sleep(wait_s)
+        pipe.release.set()
+    for t in threads:
+        t.join(timeout=join_s)
+    return outcome
 
 
 def test_a_request_that_times_out_while_queued_is_answered_when_the_worker_reaches_it():
@@ -246,16 +255,9 @@ def test_a_request_that_times_out_while_queued_is_answered_when_the_worker_reach
     pipe = BlockingPipe(honours_cancel=False)  # the running request overstays its timeout
     app = build_app(pipe, ServeConfig(model="fake", max_queue=2, request_timeout_s=1.0))
     with running(app) as url:
-        c, outcome = client(url), {}
-        threads = [threading.Thread(target=_ask, args=(c, outcome, n, n), daemon=True) for n in ("running", "queued")]
-        threads[0].start()
-        assert pipe.started.wait(30)
-        threads[1].start()
-        time.sleep(2.5)  # both deadlines pass; the queued request is stopped before the worker is free
-        pipe.release.set()
-        for t in threads:
-            t.join(timeout=20)  # well inside the 60 s a stopped running request is awaited
-        assert outcome == {"running": 504, "queued": 504}
+        # Both deadlines pass (2.5 s) and the queued request is stopped before the worker is free;
+        # each is answered well inside the 60 s a stopped running request is awaited.
+        assert _running_then_queued(url, pipe, wait_s=2.5, join_s=20) == {"running": 504, "queued": 504}
 
 
 def test_an_api_key_is_required_when_set():

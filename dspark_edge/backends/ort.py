@@ -329,17 +329,20 @@ class OrtDecoder:
             b.bind_input(past, "cpu", 0, self.kv_dtype, shape, ptr)
             b.bind_output(present, "cpu", 0, self.kv_dtype, shape, ptr)
         logits = np.empty((rows, width, self.model.vocab_size), dtype=np.float32)
+        hidden = np.empty((rows, width, self._hidden_width), dtype=np.float32) if self._hidden_width else None
+        self._run_bound(b, logits, hidden, f"over {rows} rows at width {width}")
+        return logits, hidden
+
+    def _run_bound(self, b, logits: np.ndarray, hidden: np.ndarray | None, what: str) -> None:
+        """Bind the output arrays to ``b`` and run; a BackendError naming ``what`` if it fails."""
+        io = self.io
         b.bind_output(io.logits, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-        hidden = None
-        if self._hidden_width:
-            hidden = np.empty((rows, width, self._hidden_width), dtype=np.float32)
+        if hidden is not None:
             b.bind_output(io.hidden_states, "cpu", 0, np.float32, list(hidden.shape), hidden.ctypes.data)
         try:
             self.session.run_with_iobinding(b)
         except Exception as exc:
-            raise BackendError(f"onnxruntime failed running {self.path} over {rows} rows at width {width}: "
-                               f"{exc}") from exc
-        return logits, hidden
+            raise BackendError(f"onnxruntime failed running {self.path} {what}: {exc}") from exc
 
     def _bind_append(self, cache: OrtKVCache, width: int) -> None:
         """Bind past to each buffer's committed prefix and the new K/V right after it."""
@@ -367,12 +370,5 @@ class OrtDecoder:
             self._bind_append(cache, width)
         logits, hidden = output_buffers(self._outputs, self.cached_widths, width, self.model.vocab_size,
                                         self._hidden_width)
-        b.bind_output(io.logits, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-        if hidden is not None:
-            b.bind_output(io.hidden_states, "cpu", 0, np.float32, list(hidden.shape), hidden.ctypes.data)
-        try:
-            self.session.run_with_iobinding(b)
-        except Exception as exc:
-            raise BackendError(f"onnxruntime failed running {self.path} at width {width}, "
-                               f"past length {cache.length}: {exc}") from exc
+        self._run_bound(b, logits, hidden, f"at width {width}, past length {cache.length}")
         return ForwardOutput(logits[0], None if hidden is None else hidden[0])
