@@ -69,7 +69,6 @@ class BatchRunner:
         self._active: set[int] = set()
         self._pending: dict[int, np.ndarray] = {}
         self._results: dict[int, ForwardOutput | BaseException] = {}
-        self._running = False
         self.passes = {"batched": 0, "rows": 0, "single": 0}  # counts, for tests and metrics
 
     # -- slots --------------------------------------------------------------------------------
@@ -105,11 +104,11 @@ class BatchRunner:
             if slot not in self._active:
                 raise BackendError(f"slot {slot} runs a pass without having joined the batch")
             self._pending[slot] = np.asarray(ids, dtype=np.int64)
-            while slot not in self._results:
-                if not self._running and (self._pending.keys() >= self._active or time.monotonic() >= deadline):
+            while slot not in self._results:  # a pass runs holding the lock: none is under way here
+                if self._pending.keys() >= self._active or time.monotonic() >= deadline:
                     self._execute()
-                    continue
-                self._cond.wait(timeout=max(0.0005, deadline - time.monotonic()) if not self._running else None)
+                else:
+                    self._cond.wait(timeout=max(0.0005, deadline - time.monotonic()))
             out = self._results.pop(slot)
         if isinstance(out, BaseException):
             raise out
@@ -118,7 +117,6 @@ class BatchRunner:
     def _execute(self) -> None:
         """Run every pending pass (called holding the lock; other slots wait meanwhile)."""
         jobs, self._pending = self._pending, {}
-        self._running = True
         try:
             steps = {s: ids for s, ids in jobs.items() if ids.shape[0] == 1}
             if len(steps) > 1:
@@ -130,7 +128,6 @@ class BatchRunner:
                 if ids.shape[0] > 1:
                     self._results[s] = self._single(s, ids)
         finally:
-            self._running = False
             self._cond.notify_all()
 
     def _run(self, first: int, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

@@ -200,15 +200,11 @@ class Worker:
             job = self.jobs.get()
             if job is None:
                 return
-            if job.cancel.is_set():  # left (499) or timed out (504) while queued: answered here
+            if job.cancel.is_set() or time.monotonic() > job.deadline:  # left (499) or timed out (504) queued
+                job.timed_out = job.timed_out or not job.cancel.is_set()
                 job.post("error", (504, f"the request waited in the queue past --request-timeout "
                                         f"({self.cfg.request_timeout_s:g} s); retry later") if job.timed_out
                          else (499, "the client closed the request"))
-                continue
-            if time.monotonic() > job.deadline:
-                job.timed_out = True
-                job.post("error", (504, f"the request waited in the queue past --request-timeout "
-                                        f"({self.cfg.request_timeout_s:g} s); retry later"))
                 continue
             with self._count:
                 self.running += 1
