@@ -235,16 +235,12 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
         raise ExportError(f"{opts.target_engine} exposes no hidden states; re-export it with --hidden-layers")
     if "fp32" not in manifest.precisions():
         raise ExportError(f"{opts.target_engine} has no fp32 target; the drafter learns from the FP32 target")
-    known = None  # recorded answers by prompt ids: checked before anything is loaded or written
-    if opts.answers is not None:
-        from ..answers import load_answers
+    from ..answers import load_answers
 
-        known = load_answers(opts.answers, manifest, opts.max_new_tokens).by_prompt()
-    recorded = None  # --data: the answers to train on, every one of them
-    if opts.data is not None:
-        from ..answers import load_answers
-
-        recorded = load_answers(opts.data, manifest, opts.max_new_tokens)
+    # Recorded answers are checked before anything is loaded or written: --answers (by prompt
+    # ids, reused while generating the rest) or --data (every one of them trained on).
+    known = load_answers(opts.answers, manifest, opts.max_new_tokens).by_prompt() if opts.answers else None
+    recorded = load_answers(opts.data, manifest, opts.max_new_tokens) if opts.data else None
     opts.work.mkdir(parents=True, exist_ok=True)
     (opts.work / "options.json").write_text(json.dumps({k: str(v) for k, v in asdict(opts).items()}, indent=2))
     source = resolve_source(opts.source)
