@@ -99,6 +99,10 @@ def test_batched_dspark_drafter_answers_equal_its_own(tiny_with_drafter):
         got = _run_all(slots, [(i, p, {"max_new_tokens": 24, "ignore_eos": True}) for i, p in enumerate(PROMPTS[:3])])
         assert got == want
         # Alone, a slot drafts with the DSpark drafter over the hidden states its passes returned.
+        # Its scheduler is made to draft every round: whether drafting pays depends on timings.
+        from forced_width import ForcedWidthScheduler
+
+        slots[0].scheduler = ForcedWidthScheduler(slots[0].scheduler, lambda c: min(3, len(c) + 1), "test: drafts")
         alone = slots[0].generate(PROMPTS[4], max_new_tokens=24, ignore_eos=True)
         assert alone.token_ids == pipe.generate(PROMPTS[4], max_new_tokens=24, ignore_eos=True).token_ids
         assert alone.stats.draft_n > 0
