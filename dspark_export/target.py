@@ -26,6 +26,7 @@ from dspark_edge.manifest import (GraphIO, Manifest, ModelInfo, SCHEMA_VERSION, 
                                   write_manifest)
 
 from .atomic import publish, staging
+from .gguf_blocks import INT4_GGUF_BLOCKS, rewrite_to_gguf_blocks
 from .atomic import scratch as scratch_dir
 from .portable import PORTABLE_IO, PORTABLE_PRECISIONS
 from .sources import Source, load_source, resolve_source, source_digest
@@ -295,6 +296,12 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
             extra_info = {f"distill_{k}": f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in report.items()}
             extra_info["distill_minutes"] = f"{options.distill_minutes:g}"
             del teacher
+        # A GGUF's Q4_1 blocks are the model itself: int4 takes them as they are (export.gguf_blocks)
+        # unless distillation changed the weights; from other sources the builder re-quantizes.
+        exact_int4 = "int4" in options.precisions and source.kind != "hf" and not options.distill_minutes
+        if "int4" in options.precisions:
+            extra_info["int4_weights"] = (INT4_GGUF_BLOCKS if exact_int4 else
+                                          "re-quantized by onnxruntime-genai's model builder")
         config = model.config
         layers = options.hidden_layers if options.hidden_layers is not None else default_hidden_layers(
             config.num_hidden_layers)
@@ -310,11 +317,24 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
             model.save_pretrained(hf_dir)
             hf_tok.save_pretrained(hf_dir)
             variants = []
-            for precision in options.precisions:
+            # FP32 first: an int4 graph from a GGUF's own blocks is rewritten from it.
+            for precision in sorted(options.precisions, key=lambda p: p != "fp32"):
                 t0 = time.perf_counter()
-                say(f"[{next(n)}/{steps}] building the {precision} {options.role} graph (hidden layers {list(layers)})")
                 rel = f"{options.role}/{precision}"
-                build_graph(hf_dir, stage / rel, precision, layers, scratch / f"builder-{precision}.log")
+                if precision == "int4" and exact_int4:
+                    say(f"[{next(n)}/{steps}] building the int4 {options.role} graph from the GGUF's own "
+                        "Q4_1 blocks (FP32 activations)")
+                    fp32_dir = stage / f"{options.role}/fp32"
+                    if "fp32" not in options.precisions:
+                        fp32_dir = scratch / "fp32-for-int4"
+                        build_graph(hf_dir, fp32_dir, "fp32", layers, scratch / "builder-fp32.log")
+                    counts = rewrite_to_gguf_blocks(fp32_dir / "model.onnx", source.path, stage / rel / "model.onnx",
+                                                    say)
+                    extra_info.update({f"int4_{k}": str(v) for k, v in counts.items()})
+                else:
+                    say(f"[{next(n)}/{steps}] building the {precision} {options.role} graph (hidden layers "
+                        f"{list(layers)})")
+                    build_graph(hf_dir, stage / rel, precision, layers, scratch / f"builder-{precision}.log")
                 variants += [Variant(role=options.role, width=w, precision=precision, backend="onnxruntime",
                                      file=f"{rel}/model.onnx") for w in options.widths]
                 say(f"      {precision} graph built in {time.perf_counter() - t0:.1f}s")
@@ -341,7 +361,8 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
                     for p in VALIDATION_PROMPTS]
             results = []
             for precision in options.precisions:
-                r = validate_precision(manifest, stage, precision, refs, role=options.role)
+                r = validate_precision(manifest, stage, precision, refs, role=options.role,
+                                       exact=precision == "fp32" or (precision == "int4" and exact_int4))
                 say(f"      {precision}: max|Δlogit| {r.max_abs_logit_diff:.2e}, max|Δhidden| "
                     f"{r.max_abs_hidden_diff:.2e}, greedy {r.greedy_tokens_matched}/{r.greedy_tokens_compared}, "
                     f"top-1 {r.teacher_forced_top1:.0%} {'ok' if r.passed else 'FAILED'}")

@@ -57,7 +57,8 @@ def tiny_torch(tiny_hf):
 
 @pytest.fixture(scope="session")
 def default_engine(tmp_path_factory) -> Path:
-    """The embedded default exported once (FP32 and INT8 for self-drafting, default widths)."""
+    """The embedded default exported once (FP32; INT8 for self-drafting; INT4 from the GGUF's
+    own blocks), default widths."""
     from dspark_export import ExportOptions, export_target
     from dspark_export.sources import default_gguf_path, source_digest, resolve_source
 
@@ -70,9 +71,10 @@ def default_engine(tmp_path_factory) -> Path:
         from dspark_edge.manifest import read_manifest
 
         m = read_manifest(out)
-        if m.model.source_sha256 == source_digest(resolve_source("default")) and "int8" in m.precisions("target"):
+        if m.model.source_sha256 == source_digest(resolve_source("default")) and \
+                {"int8", "int4"} <= set(m.precisions("target")):
             return out
-    export_target(ExportOptions(source="default", output=out, precisions=("fp32", "int8"), overwrite=True))
+    export_target(ExportOptions(source="default", output=out, precisions=("fp32", "int8", "int4"), overwrite=True))
     return out
 
 

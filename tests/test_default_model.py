@@ -104,3 +104,29 @@ def test_speculative_ngram_exact_on_prompt_set(default_engine):
         assert got.token_ids == want.token_ids, rec["id"]
         drafted += got.stats.draft_n
     assert drafted > 0
+
+
+def test_int4_from_the_gguf_blocks_decodes_as_fp32(default_engine, pipe):
+    """The int4 graph holds the GGUF's own 4-bit blocks with FP32 activations: its greedy output
+    is FP32's, except where FP32's two best logits are a near-tie (summation order decides)."""
+    import numpy as np
+
+    from dspark_edge.decoder import DecoderModel
+    from dspark_export.gguf_blocks import INT4_GGUF_BLOCKS
+
+    m = read_manifest(default_engine)
+    assert m.exporter["int4_weights"] == INT4_GGUF_BLOCKS and int(m.exporter["int4_matmuls_4bit"]) == 150
+    assert next(v for v in m.validation if v.precision == "int4").greedy_tokens_matched == \
+        next(v for v in m.validation if v.precision == "int4").greedy_tokens_compared
+    int4 = dspark_edge.load(default_engine, "int4")
+    fp32 = DecoderModel(m, default_engine, "fp32")
+    for messages in CHAT_PROMPTS:
+        want = pipe.generate(messages, max_new_tokens=48, ignore_eos=True)
+        got = int4.generate(messages, max_new_tokens=48, ignore_eos=True)
+        at = next((i for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids)) if a != b), None)
+        if at is None:
+            continue
+        cache = fp32.new_cache()
+        logits = fp32.prefill(cache, np.asarray(list(want.prompt_ids) + list(want.token_ids[:at]))).logits[-1]
+        gap = abs(float(logits[want.token_ids[at]] - logits[got.token_ids[at]]))
+        assert gap < 1e-3 * float(np.abs(logits).max()), (messages, at, gap)
