@@ -1,22 +1,28 @@
-"""A GGUF's own 4-bit blocks in an ONNX graph, without re-quantizing them.
+"""A GGUF's own quantized blocks in an ONNX graph, without re-quantizing them.
 
-A Q4_1 tensor stores each weight row in blocks of 32: ``w = d·q + m`` with ``q`` in 0…15 and
-``d``, ``m`` FP16 per block. onnxruntime's ``MatMulNBits`` holds 4-bit blocks as
-``w = s·(q - z)``; with no zero-point input ``z`` is 8, and a float zero point has no fast CPU
-kernel. The two forms meet exactly by splitting the product::
+Q4_1 stores each weight row in blocks of 32: ``w = d·q + m`` with ``q`` in 0…15 and ``d``,
+``m`` FP16 per block. onnxruntime's ``MatMulNBits`` holds 4-bit blocks as ``w = s·(q - z)``;
+with no zero-point input ``z`` is 8, and a float zero point has no fast CPU kernel. The two
+forms meet exactly by splitting the product::
 
     x·W = Σ_b x_b·(d_b·(q_b - 8)) + Σ_b sum(x_b)·(m_b + 8·d_b)
 
 The first term is a ``MatMulNBits`` over the GGUF's own ``q`` and ``d`` (zero point 8, FP32
-activations: ``accuracy_level`` 1), the second a matmul 32× smaller over the sums of each
-block of 32 activations. Both are computed in FP32, so the result equals the FP32 graph's up to
-the order of summation (the FP32 graph's weights are these blocks dequantized).
+activations: ``accuracy_level`` 1), the second a matmul 32× smaller over the sums of each block
+of 32 activations (computed once per activation that several weights read).
 
-Which graph weight a GGUF tensor became is found by value, not by name: every output row of an
-FP32 ``MatMul`` weight is looked up among the dequantized rows of the GGUF's Q4_1 tensors
+Q8_0 (``w = d·q``, ``q`` int8; the tied embedding / LM head of the default model): a
+``Gather`` from such a table (the embedding) reads its int8 rows and scales them, ``d·q`` being
+exact in FP32. A ``MatMul`` over it (the LM head) stays FP32: onnxruntime has no fast 8-bit
+kernel with FP32 activations, and splitting ``q`` into two 4-bit halves measured no faster at
+width 1 and slower at every wider one (docs/performance.md, "INT4 from the GGUF's blocks").
+
+Every term is computed in FP32, so the result equals the FP32 graph's up to the order of
+summation (the FP32 graph's weights are these blocks dequantized). Which graph weight a GGUF
+tensor became is found by value, not by name: every output row of a ``MatMul`` weight (every
+row of a ``Gather`` table) is looked up among the dequantized rows of the GGUF's tensors
 (transformers fuses q/k/v, permutes the q and k rows for its rotary layout, and transposes).
-A weight whose every row is found is rewritten; the others (the Q8_0 tied embedding / LM head,
-norms) stay as they are, in FP32, which is exact for them too.
+A weight whose rows are not all found stays as it is, in FP32.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import hashlib
 import logging
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,151 +42,244 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32
 Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of packed nibbles
+Q8_0_BYTES = 34  # fp16 d, 32 int8
 ACCURACY_FP32 = 1  # MatMulNBits accuracy_level: activations stay FP32
 # The manifest's exporter["int4_weights"] for a graph made here.
 INT4_GGUF_BLOCKS = "the GGUF's own Q4_1 blocks, FP32 activations"
 
 
-@dataclass(frozen=True)
-class Q4Rows:
-    """The Q4_1 rows of a GGUF file: per row, its 4-bit values and block constants."""
+@dataclass
+class GGUFRows:
+    """The Q4_1 and Q8_0 rows of a GGUF file: per tensor its values and block constants, and an
+    index from each dequantized row to where it is."""
 
-    q: dict[str, np.ndarray]  # tensor name -> [rows, K] uint8 in 0..15
-    d: dict[str, np.ndarray]  # tensor name -> [rows, K/32] float32
-    m: dict[str, np.ndarray]  # tensor name -> [rows, K/32] float32
-    index: dict[bytes, tuple[str, int]]  # digest of a dequantized row -> (tensor, row)
+    kind: dict[str, str] = field(default_factory=dict)  # tensor -> "q4_1" | "q8_0"
+    q: dict[str, np.ndarray] = field(default_factory=dict)  # [rows, K]: uint8 0..15 (q4_1) or int8
+    d: dict[str, np.ndarray] = field(default_factory=dict)  # [rows, K/32] float32
+    m: dict[str, np.ndarray] = field(default_factory=dict)  # [rows, K/32] float32 (q4_1 only)
+    index: dict[bytes, tuple[str, int]] = field(default_factory=dict)
+
+    def add(self, name: str, kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> None:
+        rows = d[:, :, None] * q.reshape(q.shape[0], -1, BLOCK).astype(np.float32)  # what the loader computes
+        if m is not None:
+            rows = rows + m[:, :, None]
+        for i, row in enumerate(rows.reshape(q.shape[0], -1)):
+            self.index.setdefault(_digest(row), (name, i))
+        self.kind[name], self.q[name], self.d[name] = kind, q, d
+        if m is not None:
+            self.m[name] = m
+
+    def match(self, rows: np.ndarray) -> list[tuple[str, int]] | None:
+        """The GGUF row behind each of ``rows`` (all of one kind), or None."""
+        found = []
+        for row in rows:
+            hit = self.index.get(_digest(row))
+            if hit is None or (found and self.kind[hit[0]] != self.kind[found[0][0]]):
+                return None
+            found.append(hit)
+        return found
+
+    def gather(self, hits: list[tuple[str, int]]):
+        """(kind, q, d, m) stacked in the order of ``hits``."""
+        kind = self.kind[hits[0][0]]
+        stack = lambda table: np.stack([table[t][i] for t, i in hits])  # noqa: E731
+        return kind, stack(self.q), stack(self.d), stack(self.m) if kind == "q4_1" else None
 
 
 def _digest(row: np.ndarray) -> bytes:
     return hashlib.blake2b(np.ascontiguousarray(row, dtype=np.float32).tobytes(), digest_size=16).digest()
 
 
+def _split_blocks(raw: np.ndarray, size: int, kind: str) -> np.ndarray:
+    if raw.ndim != 2 or raw.shape[1] % size:
+        raise ExportError(f"a {kind} tensor's data has shape {raw.shape}, not [rows, blocks·{size}]")
+    return raw.reshape(raw.shape[0], -1, size)
+
+
+def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
 def unpack_q4_1(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Q4_1 tensor's bytes [rows, K/32·20] → (q [rows, K] 0..15, d, m [rows, K/32] float32).
 
     Within a block, byte j holds element j in its low nibble and element j+16 in its high one."""
-    rows = raw.shape[0]
-    if raw.ndim != 2 or raw.shape[1] % Q4_1_BYTES:
-        raise ExportError(f"a Q4_1 tensor's data has shape {raw.shape}, not [rows, blocks·{Q4_1_BYTES}]")
-    blocks = raw.reshape(rows, -1, Q4_1_BYTES)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    blocks = _split_blocks(raw, Q4_1_BYTES, "Q4_1")
     qs = blocks[..., 4:]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [rows, blocks, 32] in element order
-    return q.reshape(rows, -1), d, m
+    return q.reshape(raw.shape[0], -1), _fp16(blocks, 0), _fp16(blocks, 2)
 
 
-def read_q4_1_rows(gguf_path: Path) -> Q4Rows:
-    """Every Q4_1 tensor of ``gguf_path``, unpacked and indexed by its dequantized rows."""
+def unpack_q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 tensor's bytes [rows, K/32·34] → (q [rows, K] int8, d [rows, K/32] float32)."""
+    blocks = _split_blocks(raw, Q8_0_BYTES, "Q8_0")
+    return blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1), _fp16(blocks, 0)
+
+
+def read_gguf_rows(gguf_path: Path) -> GGUFRows:
+    """Every Q4_1 and Q8_0 tensor of ``gguf_path``, unpacked and indexed by its dequantized rows."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
-    qs, ds, ms, index = {}, {}, {}, {}
+    rows = GGUFRows()
     for t in reader.tensors:
-        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
-            continue
-        q, d, m = unpack_q4_1(np.asarray(t.data))
-        rows = d[:, :, None] * q.reshape(q.shape[0], -1, BLOCK) + m[:, :, None]  # what the loader computes
-        for i, row in enumerate(rows.reshape(q.shape[0], -1)):
-            index.setdefault(_digest(row), (t.name, i))
-        qs[t.name], ds[t.name], ms[t.name] = q, d, m
-    return Q4Rows(qs, ds, ms, index)
+        if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+            rows.add(t.name, "q4_1", *unpack_q4_1(np.asarray(t.data)))
+        elif t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+            rows.add(t.name, "q8_0", *unpack_q8_0(np.asarray(t.data)), None)
+    return rows
 
 
 def _pack_nbits(q: np.ndarray) -> np.ndarray:
     """[N, K] values 0..15 → MatMulNBits' B [N, K/32, 16]: element 2i low nibble, 2i+1 high."""
     n, k = q.shape
-    pairs = q.reshape(n, k // BLOCK, BLOCK // 2, 2)
-    return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
+    pairs = q.reshape(n, k // BLOCK, BLOCK // 2, 2).astype(np.uint8)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
-def _match(weight: np.ndarray, rows: Q4Rows) -> list[tuple[str, int]] | None:
-    """For an FP32 MatMul weight [K, N], the GGUF row behind each of its N columns, or None."""
-    found = []
-    for col in weight.T:
-        hit = rows.index.get(_digest(col))
-        if hit is None:
-            return None
-        found.append(hit)
-    return found
+class _Rewriter:
+    """Collects the nodes and initializers of the rewritten graph."""
+
+    def __init__(self) -> None:
+        from onnx import helper, numpy_helper
+
+        self.helper, self.numpy_helper = helper, numpy_helper
+        self.nodes: list = []
+        self.added: list = []
+        self.block_sums: dict[str, str] = {}  # activation -> its [.., K/32] block sums
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        self.added.append(self.numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], output: str, **attrs) -> str:
+        domain = "com.microsoft" if op == "MatMulNBits" else ""
+        self.nodes.append(self.helper.make_node(op, inputs, [output], name=output, domain=domain, **attrs))
+        return output
+
+    def sums(self, x: str, k: int, tag: str) -> str:
+        if x not in self.block_sums:  # one per activation: e.g. the MLP's gate and up read the same one
+            blocks = self.node("Reshape", [x, self.const(f"{tag}.block_shape", np.array([0, 0, k // BLOCK, BLOCK]))],
+                               f"{tag}/input_blocks")
+            self.block_sums[x] = self.node("ReduceSum", [blocks, self.const(f"{tag}.block_axes", np.array([-1]))],
+                                           f"{tag}/input_block_sums", keepdims=0)
+        return self.block_sums[x]
+
+    def matmul(self, x: str, y: str, tag: str, q: np.ndarray, d: np.ndarray, m: np.ndarray) -> None:
+        """``y = x·W`` for the Q4_1 rows (q, d, m) of W's N output columns, each of K inputs."""
+        n, k = q.shape
+        out = self.node("MatMulNBits", [x, self.const(f"{tag}.q4", _pack_nbits(q)),
+                                        self.const(f"{tag}.q4_scales", d.reshape(-1).astype(np.float32))],
+                        f"{tag}/q4_out", K=k, N=n, bits=4, block_size=BLOCK, accuracy_level=ACCURACY_FP32)
+        fix = self.node("MatMul", [self.sums(x, k, tag), self.const(f"{tag}.q4_block_offsets",
+                                                                    (m + 8.0 * d).T.astype(np.float32))], f"{tag}/offsets")
+        self.nodes.append(self.helper.make_node("Add", [out, fix], [y], name=f"{tag}/sum"))
+
+    def gather_q8_0(self, ids: str, y: str, tag: str, q: np.ndarray, d: np.ndarray) -> None:
+        """``y = table[ids]`` for a Q8_0 table: its int8 rows times their block scales."""
+        v, k = q.shape
+        rows = self.node("Cast", [self.node("Gather", [self.const(f"{tag}.q8", q), ids], f"{tag}/q8_rows")],
+                         f"{tag}/q8_rows_f32", to=1)
+        blocks = self.node("Reshape", [rows, self.const(f"{tag}.block_shape", np.array([0, 0, k // BLOCK, BLOCK]))],
+                           f"{tag}/blocks")
+        scales = self.node("Gather", [self.const(f"{tag}.q8_scales", d.reshape(v, -1, 1).astype(np.float32)), ids],
+                           f"{tag}/scales")
+        scaled = self.node("Mul", [blocks, scales], f"{tag}/scaled")
+        self.nodes.append(self.helper.make_node("Reshape", [scaled, self.const(f"{tag}.shape", np.array([0, 0, k]))],
+                                                [y], name=f"{tag}/rows"))
+
+
+def _table_of(node, inits: dict, producers: dict):
+    """A Gather's table as an array [rows, K], when it is an initializer or its 2-D transpose."""
+    from onnx import numpy_helper
+
+    data = node.input[0]
+    if data in inits:
+        return numpy_helper.to_array(inits[data])
+    src = producers.get(data)
+    if src is not None and src.op_type == "Transpose" and src.input[0] in inits:
+        perm = [list(a.ints) for a in src.attribute if a.name == "perm"]
+        if perm in ([], [[1, 0]]) and len(inits[src.input[0]].dims) == 2:
+            return numpy_helper.to_array(inits[src.input[0]]).T
+    return None
+
+
+def _prune(graph) -> None:
+    """Drop nodes nothing reads (e.g. the transpose that fed a replaced embedding) and unused initializers."""
+    outputs = {o.name for o in graph.output}
+    while True:
+        read = {i for nd in graph.node for i in nd.input} | outputs
+        dead = [nd for nd in graph.node if not any(o in read for o in nd.output)]
+        if not dead:
+            break
+        for nd in dead:
+            graph.node.remove(nd)
+    read = {i for nd in graph.node for i in nd.input} | outputs
+    keep = [i for i in graph.initializer if i.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
 
 
 def rewrite_to_gguf_blocks(fp32_model: Path, gguf_path: Path, out_model: Path,
                            say: Callable[[str], None] | None = None) -> dict[str, int]:
     """Write ``out_model``: the FP32 graph at ``fp32_model`` with every MatMul whose weight is a
-    GGUF Q4_1 tensor computed from that tensor's own blocks. Returns counts for the manifest.
+    GGUF Q4_1 tensor, and every Gather from a Q8_0 table, computed from that tensor's own blocks.
+    Returns counts for the manifest.
 
     Raises ExportError when the GGUF has no Q4_1 tensor that the graph uses."""
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import numpy_helper
 
     say = say or (lambda msg: log.info("%s", msg))
-    rows = read_q4_1_rows(gguf_path)
-    if not rows.q:
+    rows = read_gguf_rows(gguf_path)
+    if "q4_1" not in rows.kind.values():
         raise ExportError(f"{gguf_path.name} has no Q4_1 tensors: an exact 4-bit engine needs a Q4_1 GGUF "
                           "(other files: export int4 from a Hugging Face folder, which re-quantizes)")
     model = onnx.load(str(fp32_model), load_external_data=True)
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    new_nodes, dropped, added = [], set(), []
-    block_sums: dict[str, str] = {}  # activation name -> its [.., K/32] block sums
-    counts = {"matmuls_4bit": 0, "matmuls_fp32": 0, "params_4bit": 0}
+    producers = {o: nd for nd in graph.node for o in nd.output}
+    out = _Rewriter()
+    counts = {"matmuls_4bit": 0, "matmuls_fp32": 0, "params_4bit": 0, "gathers_8bit": 0}
     for node in graph.node:
+        tag = node.name or node.output[0]
+        if node.op_type == "Gather" and node.input[0] not in inits:
+            table = _table_of(node, inits, producers)
+            hits = rows.match(table) if table is not None and table.shape[1] % BLOCK == 0 else None
+            if hits is not None and rows.kind[hits[0][0]] == "q8_0":
+                _, q, d, _ = rows.gather(hits)
+                out.gather_q8_0(node.input[1], node.output[0], tag, q, d)
+                counts["gathers_8bit"] += 1
+                continue
         weight = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
         if weight is None or len(weight.dims) != 2:
-            new_nodes.append(node)
+            out.nodes.append(node)
             continue
         w = numpy_helper.to_array(weight)
-        k, n = w.shape
-        hits = _match(w, rows) if k % BLOCK == 0 else None
-        if hits is None:
+        hits = rows.match(w.T) if w.shape[0] % BLOCK == 0 else None
+        if hits is None or rows.kind[hits[0][0]] != "q4_1":
             counts["matmuls_fp32"] += 1
-            new_nodes.append(node)
+            out.nodes.append(node)
             continue
-        q = np.stack([rows.q[t][i] for t, i in hits])  # [N, K]
-        d = np.stack([rows.d[t][i] for t, i in hits])  # [N, K/32]
-        m = np.stack([rows.m[t][i] for t, i in hits])
-        base = weight.name
-        b_name, s_name, c_name = f"{base}.q4", f"{base}.q4_scales", f"{base}.q4_block_offsets"
-        added += [numpy_helper.from_array(_pack_nbits(q), b_name),
-                  numpy_helper.from_array(d.reshape(-1).astype(np.float32), s_name),
-                  numpy_helper.from_array((m + 8.0 * d).T.astype(np.float32).copy(), c_name)]  # [K/32, N]
-        x, y, tag = node.input[0], node.output[0], node.name or base
-        new_nodes.append(helper.make_node("MatMulNBits", [x, b_name, s_name], [f"{tag}/q4_out"], name=f"{tag}/q4",
-                                          domain="com.microsoft", K=k, N=n, bits=4, block_size=BLOCK,
-                                          accuracy_level=ACCURACY_FP32))
-        if x not in block_sums:  # one per activation: e.g. the MLP's gate and up read the same one
-            stem = f"{tag}/input"
-            shape_name, axes_name = f"{base}.block_shape", f"{base}.block_axes"
-            added += [numpy_helper.from_array(np.array([0, 0, k // BLOCK, BLOCK], np.int64), shape_name),
-                      numpy_helper.from_array(np.array([-1], np.int64), axes_name)]
-            new_nodes += [
-                helper.make_node("Reshape", [x, shape_name], [f"{stem}_blocks"], name=f"{stem}_blocks"),
-                helper.make_node("ReduceSum", [f"{stem}_blocks", axes_name], [f"{stem}_block_sums"],
-                                 name=f"{stem}_block_sums", keepdims=0)]
-            block_sums[x] = f"{stem}_block_sums"
-        new_nodes += [
-            helper.make_node("MatMul", [block_sums[x], c_name], [f"{tag}/offsets"], name=f"{tag}/offsets"),
-            helper.make_node("Add", [f"{tag}/q4_out", f"{tag}/offsets"], [y], name=f"{tag}/sum")]
-        dropped.add(base)
+        _, q, d, m = rows.gather(hits)
+        out.matmul(node.input[0], node.output[0], tag, q, d, m)
         counts["matmuls_4bit"] += 1
-        counts["params_4bit"] += k * n
+        counts["params_4bit"] += w.size
     if not counts["matmuls_4bit"]:
         raise ExportError(f"no weight of the graph matches a Q4_1 tensor of {gguf_path.name}: the graph was "
                           "not built from this file")
-    still_used = {i for nd in new_nodes for i in nd.input}
-    keep = [i for i in graph.initializer if i.name not in dropped or i.name in still_used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep + added)
     del graph.node[:]
-    graph.node.extend(new_nodes)
+    graph.node.extend(out.nodes)
+    graph.initializer.extend(out.added)
+    _prune(graph)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+        model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     out_model.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(model, str(out_model), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=out_model.name + ".data", size_threshold=1024)
-    for made, like in ((out_model, fp32_model), (out_model.with_name(out_model.name + ".data"), fp32_model)):
-        shutil.copymode(like, made)  # onnx writes its weights file owner-only; keep the FP32 graph's mode
-    say(f"      {counts['matmuls_4bit']} matmuls from the GGUF's Q4_1 blocks "
-        f"({counts['params_4bit'] / 1e6:.1f}M weights), {counts['matmuls_fp32']} kept in FP32")
+    for made in (out_model, out_model.with_name(out_model.name + ".data")):
+        shutil.copymode(fp32_model, made)  # onnx writes its weights file owner-only; keep the FP32 graph's mode
+    say(f"      {counts['matmuls_4bit']} matmuls from the GGUF's Q4_1 blocks ({counts['params_4bit'] / 1e6:.1f}M "
+        f"weights), {counts['gathers_8bit']} embedding table(s) from Q8_0 blocks, {counts['matmuls_fp32']} "
+        "matmul(s) kept in FP32")
     return counts

@@ -1,0 +1,126 @@
+"""The int4 graph made from a GGUF's own Q4_1 blocks against the FP32 graph (and any other
+precision of the engine), plain and speculative, interleaved in one process.
+
+    python -m export target --source default --output engines/smollm2-135m-q4 --precisions fp32,int8,int4
+    python bench/int4_exact.py --engine engines/smollm2-135m-q4 --precisions fp32,int4,int8 \
+        --drafters none,ngram --max-new-tokens 64
+
+For each prompt of the project's set, every (precision, drafter) pair decodes greedily in turn
+(EOS ignored), so machine drift hits all alike. Reports per pair: decode tok/s and its ratio to
+FP32 plain decoding (95 % bootstrap interval over prompts), how many answers equal FP32's and the
+mean first divergence, whether each divergence is a near-tie of FP32's logits (the two tokens'
+FP32 logits closer than --tie of the largest |logit|), and whether speculative answers equal the
+same precision's plain answers. Then the cost of one pass at each verify width per precision.
+Writes JSON (--output) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", required=True, type=Path)
+    ap.add_argument("--precisions", default="fp32,int4")
+    ap.add_argument("--drafters", default="none,ngram", help="comma-separated: none, or a drafter spec")
+    ap.add_argument("--prompts", default=None, help="JSON lines prompt file (default: the project's set)")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--tie", type=float, default=1e-3, help="near-tie: logit gap below this × max |logit|")
+    ap.add_argument("--output", type=Path, default=None)
+    args = ap.parse_args()
+
+    import dspark_edge
+    from dspark_edge.backends import BackendOptions
+    from dspark_edge.bench import load_prompts, ratio_interval, verify_cost_curve
+    from dspark_edge.decoder import DecoderModel
+    from dspark_edge.errors import ConfigError
+    from dspark_edge.manifest import read_manifest
+
+    manifest = read_manifest(args.engine)
+    precisions = args.precisions.split(",")
+    drafters = [None if d == "none" else d for d in args.drafters.split(",")]
+    # One process-wide thread pool: sessions take turns on the same cores without spinning
+    # against each other.
+    options = BackendOptions(shared_threads=True)
+    pipes = {}
+    for p in precisions:
+        for d in drafters:
+            try:
+                pipes[(p, d)] = dspark_edge.load(args.engine, p, drafter=d, options=options,
+                                                 scheduler=None if d else False)
+            except ConfigError as exc:  # e.g. self-drafting for the graph that would draft
+                print(f"skipping {p} + {d}: {exc}", file=sys.stderr)
+    prompts = load_prompts(args.prompts)[:args.limit]
+    rows: dict[str, list[dict]] = {f"{p}+{d or 'plain'}": [] for p, d in pipes}
+    answers: dict[str, list[tuple]] = {k: [] for k in rows}
+    prompt_ids = []
+    for rec in prompts[:1]:  # warm-up, untimed
+        for pipe in pipes.values():
+            pipe.generate(rec.get("messages") or rec["prompt"], max_new_tokens=8, ignore_eos=True)
+    for n, rec in enumerate(prompts, 1):
+        for (p, d), pipe in pipes.items():
+            r = pipe.generate(rec.get("messages") or rec["prompt"], max_new_tokens=args.max_new_tokens, ignore_eos=True)
+            key = f"{p}+{d or 'plain'}"
+            rows[key].append({"id": rec["id"], "new_tokens": r.stats.new_tokens, "decode_s": r.stats.decode_s})
+            answers[key].append(r.token_ids)
+        prompt_ids.append(r.prompt_ids)
+        print(f"[{n}/{len(prompts)}] {rec['id']}", file=sys.stderr, flush=True)
+
+    fp32 = DecoderModel(manifest, args.engine, "fp32", options=options) if "fp32" in precisions else None
+    base = "fp32+plain" if fp32 is not None else next(iter(rows))
+
+    def near_tie(i: int, want: tuple, got: tuple) -> dict:
+        at = next(j for j, (a, b) in enumerate(zip(want, got)) if a != b)
+        cache = fp32.new_cache()
+        logits = fp32.prefill(cache, np.asarray(list(prompt_ids[i]) + list(want[:at]), dtype=np.int64)).logits[-1]
+        gap = abs(float(logits[want[at]] - logits[got[at]])) / float(np.abs(logits).max())
+        return {"prompt": prompts[i]["id"], "at": at, "relative_gap": gap, "near_tie": gap < args.tie}
+
+    report = {"engine": str(args.engine), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "int4_weights": manifest.exporter.get("int4_weights"), "results": {}}
+    for key, rs in rows.items():
+        same = [a == b for a, b in zip(answers[key], answers[base])]
+        firsts = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                  for a, b in zip(answers[key], answers[base])]
+        plain_key = key.split("+")[0] + "+plain"
+        entry = {"tok_s": round(sum(r["new_tokens"] - 1 for r in rs) / sum(r["decode_s"] for r in rs), 2),
+                 "vs_" + base: ratio_interval(rs, rows[base]),
+                 "identical_to_" + base: f"{sum(same)}/{len(same)}",
+                 "mean_first_divergence": round(statistics.mean(f for f, s in zip(firsts, same) if not s), 1)
+                 if not all(same) else None}
+        if fp32 is not None and key != base:
+            entry["divergences"] = [near_tie(i, answers[base][i], a) for i, (a, s) in
+                                    enumerate(zip(answers[key], same)) if not s]
+        if plain_key in answers and plain_key != key:
+            entry["identical_to_" + plain_key] = (f"{sum(a == b for a, b in zip(answers[key], answers[plain_key]))}"
+                                                  f"/{len(rs)}")
+        report["results"][key] = entry
+    for p in precisions:
+        report.setdefault("verify_ms", {})[p] = verify_cost_curve(next(pipe for (q, _), pipe in pipes.items()
+                                                                       if q == p).target)
+    text = json.dumps(report, indent=1)
+    if args.output:
+        args.output.write_text(text)
+    print(text)
+    print(f"\n{'variant':<18}{'tok/s':>8}{'vs ' + base:>22}{'same as FP32':>14}  near-ties", file=sys.stderr)
+    for key, e in report["results"].items():
+        r = e["vs_" + base]
+        ties = e.get("divergences", [])
+        print(f"{key:<18}{e['tok_s']:>8}{r['ratio']:>10.2f} ({r['ci95'][0]:.2f}–{r['ci95'][1]:.2f})"
+              f"{e['identical_to_' + base]:>14}  {sum(t['near_tie'] for t in ties)}/{len(ties)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
