@@ -82,7 +82,7 @@ class GGUFRows:
     def gather(self, hits: list[tuple[str, int]]):
         """(kind, q, d, m) stacked in the order of ``hits``."""
         kind = self.kind[hits[0][0]]
-        stack = lambda table: np.stack([table[t][i] for t, i in hits])  # noqa: E731
+        stack = lambda table: np.stack([table[t][i] for t, i in hits])
         return kind, stack(self.q), stack(self.d), stack(self.m) if kind == "q4_1" else None
 
 

@@ -163,3 +163,18 @@ def test_export_logs_carry_no_progress_bar_redraws(tiny_hf, tmp_path):
                        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     assert "[1/" in p.stderr and "\r" not in p.stderr
+
+
+def test_int4_from_a_hugging_face_folder_is_re_quantized_and_says_so(tmp_path, tiny_hf):
+    """Only a GGUF source has 4-bit blocks of its own; from a folder the builder re-quantizes and
+    the manifest says which. (Not validated: 4-bit rounding flips most argmaxes of a tiny random
+    model, whose logits are nearly flat.)"""
+    from dspark_edge.manifest import read_manifest
+
+    out = tmp_path / "q4"
+    export_target(ExportOptions(source=str(tiny_hf), output=out, precisions=("int4",), widths=(1, 2), validate=False))
+    m = read_manifest(out)
+    assert m.precisions("target") == ["int4"] and not (out / "target" / "fp32").exists()
+    assert m.exporter["int4_weights"].startswith("re-quantized") and "int4_matmuls_4bit" not in m.exporter
+    with dspark_edge.load(out, "int4") as pipe:
+        assert len(pipe.generate("hello", max_new_tokens=4, ignore_eos=True).token_ids) == 4

@@ -11,8 +11,13 @@ import pytest
 gguf = pytest.importorskip("gguf")
 onnx = pytest.importorskip("onnx")
 
-from dspark_edge.errors import ExportError  # noqa: E402
-from dspark_export.gguf_blocks import read_gguf_rows, rewrite_to_gguf_blocks, unpack_q4_1, unpack_q8_0  # noqa: E402
+from dspark_edge.errors import ExportError
+from dspark_export.gguf_blocks import (
+    read_gguf_rows,
+    rewrite_to_gguf_blocks,
+    unpack_q4_1,
+    unpack_q8_0,
+)
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
