@@ -263,6 +263,12 @@ def test_int8_drafter_keeps_the_feature_projection_and_last_layer_in_fp32(tiny_w
     float_mm = {n.name for n in nodes if n.op_type == "MatMul"}
     assert "/fc/MatMul" in float_mm and "/layers.0/down/MatMul" in float_mm  # the tiny drafter has one layer
     assert any(n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul") for n in nodes)  # the rest is INT8
+    # The LM head rows too: an initializer the quantizer made int8, no FP32 copy left anywhere.
+    model = onnx.load(str(graph))
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    assert types.get("head_t_quantized") == onnx.TensorProto.INT8 and "head_t" not in types, sorted(types)
+    assert not [n.name for n in model.graph.node if n.op_type == "Constant" and
+                any(len(a.t.dims) == 2 and a.t.data_type == onnx.TensorProto.FLOAT for a in n.attribute)]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8", "fp16"])

@@ -39,6 +39,11 @@ class RoundGraph(nn.Module):
     def __init__(self, model: DSparkDraft) -> None:
         super().__init__()
         self.m = model
+        # The LM head rows as a parameter, so the graph holds them as an initializer that the
+        # INT8 quantizer quantizes (the model keeps them in a non-persistent buffer, which
+        # tracing would bake in as an FP32 Constant node: a full-vocabulary head of 113 MB
+        # left FP32 in the INT8 graph).
+        self.head_t = nn.Parameter(model.head.T.contiguous(), requires_grad=False)
 
     def forward(self, features, anchor_embedding, block_positions, *past):
         m = self.m
@@ -56,7 +61,7 @@ class RoundGraph(nn.Module):
             presents += [k[0], v[0]]
             x = layer(x, pos, k, v, None)
         h = m.norm(x)[0]
-        return (h @ m.head.T, h, *presents)
+        return (h @ self.head_t, h, *presents)
 
 
 def export_onnx(model: DSparkDraft, path: Path) -> None:
