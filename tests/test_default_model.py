@@ -118,6 +118,12 @@ def test_int4_from_the_gguf_blocks_decodes_as_fp32(default_engine, pipe):
     assert m.exporter["int4_weights"] == INT4_GGUF_BLOCKS and int(m.exporter["int4_matmuls_4bit"]) == 150
     assert next(v for v in m.validation if v.precision == "int4").greedy_tokens_matched == \
         next(v for v in m.validation if v.precision == "int4").greedy_tokens_compared
+    import subprocess
+    import sys
+
+    shown = subprocess.run([sys.executable, "-m", "dspark_edge", "inspect", "--engine", str(default_engine)],
+                           capture_output=True, text=True, timeout=300)
+    assert f"int4       weights: {INT4_GGUF_BLOCKS}" in shown.stdout, shown.stderr
     int4 = dspark_edge.load(default_engine, "int4")
     fp32 = DecoderModel(m, default_engine, "fp32")
     for messages in CHAT_PROMPTS:

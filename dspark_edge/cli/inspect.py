@@ -80,6 +80,8 @@ def cmd_inspect(args) -> int:
                 gpu = "  [GPU]" if any(v.device == "gpu" for v in vs) else ""
                 print(f"{role:<10} {p:<5} {backend:<11} widths {list(m.widths(role, p, backend))}  "
                       f"{', '.join(sorted(files))}{gpu}")
+    if "int4_weights" in m.exporter:
+        print(f"int4       weights: {m.exporter['int4_weights']}")
     for e in m.tensorrt:
         print(f"tensorrt   {e.precision:<5} {e.file}: profiles {[w or 'prefill' for w in e.profiles]}, context "
               f"<= {e.max_context}, TensorRT {e.tensorrt_version}, built for {e.gpu} (compute {e.compute_capability})")
