@@ -50,10 +50,15 @@ def create(spec, target_manifest, options=None, verify_hashes: bool = True, engi
         ngram = create("ngram", target_manifest, engine_dir=engine_dir) if s.kind == "ngram+self" else None
         return SelfDrafter(engine_dir, target_manifest, s.option or "int8", options=options,
                            verify_hashes=verify_hashes, ngram=ngram)
-    if s.kind == "dspark":
+    if s.kind in ("dspark", "ngram+dspark"):
         from .dspark import DSparkDrafter
 
-        return DSparkDrafter(engine_dir, target_manifest, s.option, options=options, verify_hashes=verify_hashes)
+        dspark = DSparkDrafter(engine_dir, target_manifest, s.option, options=options, verify_hashes=verify_hashes)
+        if s.kind == "dspark":
+            return dspark
+        from .ngram_dspark import NgramDSparkDrafter
+
+        return NgramDSparkDrafter(create("ngram", target_manifest, engine_dir=engine_dir), dspark)
     from .draft_model import DraftModelDrafter
 
     return DraftModelDrafter(s.option, target_manifest, options=options, verify_hashes=verify_hashes)

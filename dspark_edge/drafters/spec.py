@@ -1,7 +1,8 @@
 """The drafter names users write (``--drafter``, ``load(drafter=...)``), parsed in one place.
 
 Grammar: ``none`` | ``auto`` | ``ngram[:online|:prompt]`` | ``self[:PRECISION]`` |
-``ngram+self[:PRECISION]`` | ``dspark[:PRECISION]`` | the path of a draft-model engine folder.
+``ngram+self[:PRECISION]`` | ``dspark[:PRECISION]`` | ``ngram+dspark[:PRECISION]`` | the path of a
+draft-model engine folder.
 ``KINDS`` describes each form once; the help texts and error messages are made from it. This
 module knows nothing about models: it only says what a name means.
 """
@@ -26,6 +27,7 @@ KINDS: dict[str, tuple[str, str]] = {
                                  "target's KV cache"),
     "ngram+self": ("ngram+self[:PRECISION]", "n-gram drafts where they promise more, else the self drafter"),
     "dspark": ("dspark[:PRECISION]", "the engine folder's DSpark block drafter"),
+    "ngram+dspark": ("ngram+dspark[:PRECISION]", "n-gram drafts where they promise more, else the DSpark drafter"),
     "draft_model": ("PATH", "a draft-model engine folder"),
 }
 NGRAM_VARIANTS = ("table", "online", "prompt")
@@ -34,7 +36,7 @@ NGRAM_VARIANTS = ("table", "online", "prompt")
 @dataclass(frozen=True)
 class DrafterSpec:
     """What a drafter name means. ``option``: the n-gram variant ("table", "online", "prompt"),
-    the precision of "self" / "ngram+self" / "dspark" (None: their default), or the draft
+    the precision of "self" / "ngram+self" / "dspark" / "ngram+dspark" (None: their default), or the draft
     model's folder."""
 
     kind: str
@@ -84,7 +86,7 @@ def parse(spec: str | os.PathLike | None) -> DrafterSpec:
         if sep and option not in ("online", "prompt"):
             raise ConfigError(f"drafter {spec!r}: the n-gram drafter takes ':online' or ':prompt', not {option!r}")
         return DrafterSpec("ngram", option or "table")
-    if name in ("self", "ngram+self", "dspark"):
+    if name in ("self", "ngram+self", "dspark", "ngram+dspark"):
         if sep and option not in PRECISIONS:
             raise ConfigError(f"drafter {spec!r}: {option!r} is not a precision ({', '.join(PRECISIONS)})")
         return DrafterSpec(name, option or None)
