@@ -158,6 +158,8 @@ class _Rewriter:
         return output
 
     def sums(self, x: str, k: int, tag: str) -> str:
+        """The block sums of activation ``x`` ([batch, seq, K], as the builder's graphs have them;
+        another rank fails validation rather than passing silently)."""
         if x not in self.block_sums:  # one per activation: e.g. the MLP's gate and up read the same one
             blocks = self.node("Reshape", [x, self.const(f"{tag}.block_shape", np.array([0, 0, k // BLOCK, BLOCK]))],
                                f"{tag}/input_blocks")
