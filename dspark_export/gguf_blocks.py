@@ -191,18 +191,17 @@ class _Rewriter:
                                                 [y], name=f"{tag}/rows"))
 
 
-def _table_of(node, inits: dict, producers: dict):
-    """A Gather's table as an array [rows, K], when it is an initializer or its 2-D transpose."""
-    from onnx import numpy_helper
-
+def _table_of(node, inits: dict, producers: dict) -> tuple[str, bool] | None:
+    """A Gather's table as (initializer name, transposed), when it is a 2-D initializer or its
+    transpose."""
     data = node.input[0]
     if data in inits:
-        return numpy_helper.to_array(inits[data])
+        return (data, False) if len(inits[data].dims) == 2 else None
     src = producers.get(data)
     if src is not None and src.op_type == "Transpose" and src.input[0] in inits:
         perm = [list(a.ints) for a in src.attribute if a.name == "perm"]
         if perm in ([], [[1, 0]]) and len(inits[src.input[0]].dims) == 2:
-            return numpy_helper.to_array(inits[src.input[0]]).T
+            return src.input[0], True
     return None
 
 
@@ -241,13 +240,24 @@ def rewrite_to_gguf_blocks(fp32_model: Path, gguf_path: Path, out_model: Path,
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     producers = {o: nd for nd in graph.node for o in nd.output}
+    matched: dict[tuple[str, bool], list[tuple[str, int]] | None] = {}
+
+    def hits_of(name: str, transposed: bool) -> list[tuple[str, int]] | None:
+        """The GGUF rows behind an initializer's rows (its columns when ``transposed``), matched
+        once: a tied embedding and LM head are one initializer read by a Gather and a MatMul."""
+        if (name, transposed) not in matched:
+            w = numpy_helper.to_array(inits[name])
+            table = w.T if transposed else w
+            matched[(name, transposed)] = rows.match(table) if table.shape[1] % BLOCK == 0 else None
+        return matched[(name, transposed)]
+
     out = _Rewriter()
     counts = {"matmuls_4bit": 0, "matmuls_fp32": 0, "params_4bit": 0, "gathers_8bit": 0}
     for node in graph.node:
         tag = node.name or node.output[0]
         if node.op_type == "Gather" and node.input[0] not in inits:
             table = _table_of(node, inits, producers)
-            hits = rows.match(table) if table is not None and table.shape[1] % BLOCK == 0 else None
+            hits = hits_of(*table) if table is not None else None
             if hits is not None and rows.kind[hits[0][0]] == "q8_0":
                 _, q, d, _ = rows.gather(hits)
                 out.gather_q8_0(node.input[1], node.output[0], tag, q, d)
@@ -257,8 +267,7 @@ def rewrite_to_gguf_blocks(fp32_model: Path, gguf_path: Path, out_model: Path,
         if weight is None or len(weight.dims) != 2:
             out.nodes.append(node)
             continue
-        w = numpy_helper.to_array(weight)
-        hits = rows.match(w.T) if w.shape[0] % BLOCK == 0 else None
+        hits = hits_of(weight.name, True)
         if hits is None or rows.kind[hits[0][0]] != "q4_1":
             counts["matmuls_fp32"] += 1
             out.nodes.append(node)
@@ -266,7 +275,7 @@ def rewrite_to_gguf_blocks(fp32_model: Path, gguf_path: Path, out_model: Path,
         _, q, d, m = rows.gather(hits)
         out.matmul(node.input[0], node.output[0], tag, q, d, m)
         counts["matmuls_4bit"] += 1
-        counts["params_4bit"] += w.size
+        counts["params_4bit"] += q.size
     if not counts["matmuls_4bit"]:
         raise ExportError(f"no weight of the graph matches a Q4_1 tensor of {gguf_path.name}: the graph was "
                           "not built from this file")

@@ -26,8 +26,8 @@ from dspark_edge.manifest import (GraphIO, Manifest, ModelInfo, SCHEMA_VERSION, 
                                   write_manifest)
 
 from .atomic import publish, staging
-from .gguf_blocks import INT4_GGUF_BLOCKS, rewrite_to_gguf_blocks
 from .atomic import scratch as scratch_dir
+from .gguf_blocks import INT4_GGUF_BLOCKS, rewrite_to_gguf_blocks
 from .portable import PORTABLE_IO, PORTABLE_PRECISIONS
 from .sources import Source, load_source, resolve_source, source_digest
 
@@ -362,7 +362,7 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
             results = []
             for precision in options.precisions:
                 r = validate_precision(manifest, stage, precision, refs, role=options.role,
-                                       exact=precision == "fp32" or (precision == "int4" and exact_int4))
+                                       exact=precision == "int4" and exact_int4)
                 say(f"      {precision}: max|Δlogit| {r.max_abs_logit_diff:.2e}, max|Δhidden| "
                     f"{r.max_abs_hidden_diff:.2e}, greedy {r.greedy_tokens_matched}/{r.greedy_tokens_compared}, "
                     f"top-1 {r.teacher_forced_top1:.0%} {'ok' if r.passed else 'FAILED'}")

@@ -69,11 +69,11 @@ def torch_reference(model, prompt_ids: list[int], hidden_layers: tuple[int, ...]
 
 
 def validate_precision(manifest: Manifest, engine_dir: Path, precision: str,
-                       references: list[Reference], role: str = "target", exact: bool | None = None) -> ValidationResult:
-    """``exact``: hold the graph to FP32's bar (logits within tolerance, every greedy token equal)
-    rather than the quantized one; default: only for fp32. A graph computing the source's own
-    weights with FP32 activations (int4 from a GGUF's blocks) is exact in this sense."""
-    exact = precision == "fp32" if exact is None else exact
+                       references: list[Reference], role: str = "target", exact: bool = False) -> ValidationResult:
+    """FP32 graphs, and any with ``exact``, are held to FP32's bar (logits within tolerance, every
+    greedy token equal) rather than the quantized one. A graph computing the source's own weights
+    with FP32 activations (int4 from a GGUF's blocks) is exact in this sense."""
+    exact = exact or precision == "fp32"
     target = DecoderModel(manifest, engine_dir, precision, options=BackendOptions(max_context=512), role=role)
     cache = target.new_cache()
     widest = max(target.widths)

@@ -70,9 +70,9 @@ class _Fixed:
 
     name, needs_hidden, observed_confidence = "fixed", False, True
 
-    def __init__(self, tokens, confidence, max_drafts=3):
+    def __init__(self, tokens, confidence):
         self.draft = Draft(np.asarray(tokens, dtype=np.int64), None, np.asarray(confidence, dtype=np.float64))
-        self.max_drafts, self.seen = max_drafts, []
+        self.seen = []
 
     def begin(self, prompt_ids):
         pass

@@ -54,10 +54,6 @@ class NgramDSparkDrafter(BaseDrafter):
         self._source: str | None = None
         self.begin(())
 
-    @property
-    def max_drafts(self) -> int:
-        return self.dspark.max_drafts
-
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.ngram.begin(prompt_ids)
         self.dspark.begin(prompt_ids)
