@@ -430,3 +430,32 @@ def test_replay_oracle_bounds_every_policy_and_the_scheduler_runs_as_in_the_pipe
     cost = sum(verify[w] * n for w, n in runs["oracle"]["widths"].items())
     assert len(answer) / cost * verify[1] == pytest.approx(runs["oracle"]["vs_plain"], abs=2e-3)
     assert sched.step == runs["scheduler"]["rounds"]  # decided every round, as the pipeline does
+
+
+def test_a_table_with_damaged_compressed_data_is_a_project_error(tmp_path):
+    """Flipped bytes inside a compressed member make zlib fail mid-read: an EngineError with the fix."""
+    import json
+    import zipfile
+
+    from dspark_edge.drafters.ngram_table import READABLE, NgramTable
+    from dspark_edge.errors import EngineError
+
+    good = tmp_path / "t.npz"
+    keys = np.arange(0, 40000, 3, dtype=np.int64)
+    np.savez_compressed(good, meta=np.array(json.dumps({"format": max(READABLE), "context_lengths": [1]})),
+                        keys_1=keys, next_1=np.zeros(keys.size, np.int32), share_1=np.ones(keys.size, np.float32),
+                        count_1=np.ones(keys.size, np.int32))
+    info = zipfile.ZipFile(good).getinfo("keys_1.npy")
+    start = info.header_offset + 30 + len(info.filename) + len(info.extra)
+    raw = bytearray(good.read_bytes())
+    refused = 0
+    for at in range(start + 8, start + info.compress_size - 8, max(1, info.compress_size // 40)):
+        bad = tmp_path / f"bad-{at}.npz"
+        data = bytearray(raw)
+        data[at] ^= 0xFF
+        bad.write_bytes(bytes(data))
+        try:  # a flip may leave the data decodable; any failure must be the project's error
+            NgramTable.load(bad)
+        except EngineError as exc:
+            refused += "not a readable n-gram table" in str(exc) or "not a sorted table" in str(exc)
+    assert refused > 0
