@@ -154,6 +154,13 @@ class Scheduled:
             sched.observe_acceptance(confidence, accepted)
 
 
+def expected_accepted(confidence) -> float:
+    """Expected accepted drafts of a draft verified whole: the sum of its survivals, the
+    products of the conditional confidences up to each draft (0 for no draft)."""
+    c = np.asarray(confidence, dtype=np.float64)
+    return float(np.cumprod(c).sum()) if c.size else 0.0
+
+
 def survival_cut(confidence: np.ndarray, min_survival: float) -> int:
     """How many drafts to keep: draft j (1-based) stays while prod(c_1..c_{j-1}) >= min_survival.
 

@@ -10,7 +10,8 @@ import pytest
 import dspark_edge
 from dspark_edge.drafters import create
 from dspark_edge.drafters.base import Draft, DraftRequest
-from dspark_edge.drafters.ngram_dspark import NgramDSparkDrafter, expected_accepted
+from dspark_edge.drafters.ngram_dspark import NgramDSparkDrafter
+from dspark_edge.widths import expected_accepted
 from dspark_edge.manifest import read_manifest
 from dspark_edge.widths import Yardstick
 

@@ -28,15 +28,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..widths import expected_accepted
 from .base import BaseDrafter, Draft, DraftRequest
 
 # Weight of a new DSpark round in the running means (about the last 20 rounds).
 MEAN_WEIGHT = 0.05
-
-
-def expected_accepted(confidence: np.ndarray) -> float:
-    """Expected accepted drafts: the sum of the survivals (products of the conditional confidences)."""
-    return float(np.cumprod(np.asarray(confidence, dtype=np.float64)).sum()) if len(confidence) else 0.0
 
 
 class NgramDSparkDrafter(BaseDrafter):

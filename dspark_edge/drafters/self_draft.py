@@ -76,7 +76,7 @@ from ..manifest import Manifest, verify_role_files
 from ..sampling import coupled_pick, greedy_margin, probs, sample, top_margin
 from ..scheduler import CostModel
 from ..verify import judged
-from ..widths import Yardstick
+from ..widths import Yardstick, expected_accepted
 from .base import BaseDrafter, Draft, DraftRequest
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ class SelfDrafter(BaseDrafter):
         if ys is None:  # a fixed draft length: the n-gram drafts, free, if they reach as far
             if len(ng) < k_max:
                 return False
-            reach = float(np.cumprod(np.clip(ng.confidence[:k_max], 0.0, 1.0)).sum())
+            reach = expected_accepted(np.clip(ng.confidence[:k_max], 0.0, 1.0))
             return reach >= sum(self.rate ** i for i in range(1, k_max + 1))
         fits = [w for w in self._widths if w - 1 <= len(ng)]
         if len(fits) < 2:
@@ -306,7 +306,7 @@ class SelfDrafter(BaseDrafter):
                 return False
             d = max(self.step_ms, 1e-3)
             spent = staged_ms + steps * d
-            reach = survival * float(np.cumprod(ext.confidence[:k_max - len(tokens)]).sum())
+            reach = survival * expected_accepted(ext.confidence[:k_max - len(tokens)])
             rest = guessed(k_max - len(tokens))
             return ((1.0 + expected + reach) / (spent + fill_ms)
                     >= (1.0 + expected + rest) / (spent + (k_max - len(tokens)) * d + fill_ms))
@@ -364,7 +364,7 @@ class SelfDrafter(BaseDrafter):
                     more_ms = spent + (goal - len(tokens)) * d
                     # The round as it stands verifies at the widest listed width its drafts fill.
                     fit = max(w for w in self._widths if w <= len(tokens) + 1)
-                    now = ys.at(fit, float(np.cumprod(conf[:fit - 1]).sum()), spent)
+                    now = ys.at(fit, expected_accepted(conf[:fit - 1]), spent)
                     more = ys.at(goal + 1, expected + guessed(goal - len(tokens)), more_ms)
                     why = "further drafts not expected to pay"
                     if len(extension()):
