@@ -27,7 +27,11 @@ def genai_folder(engine: Path, manifest, precision: str, max_length: int) -> Pat
     """A throw-away onnxruntime-genai model folder pointing at the engine's graph."""
     graph = engine / manifest.variants_for("target", precision)[0].file
     folder = Path(tempfile.mkdtemp(prefix=f"genai-{precision}-"))
-    for name in ("model.onnx", "model.onnx.data"):
+    names = ["model.onnx", "model.onnx.data"]
+    table = manifest.embedding_table(manifest.variants_for("target", precision)[0].file)
+    if table is not None:  # the graph's embedding table, named by its external data entry
+        names.append(Path(table.file).name)
+    for name in names:
         os.symlink(graph.parent.resolve() / name, folder / name)
     m, io = manifest.model, manifest.io
     config = {

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .backends import BACKENDS, BackendOptions, ForwardOutput, KVCache, create_decoder
+from .backends.tables import session_initializers
 from .errors import ConfigError, EngineError
 from .manifest import Manifest
 
@@ -57,8 +58,9 @@ class DecoderModel:
         hidden_width = manifest.model.hidden_size * len(manifest.hidden_state_layers)
         engine = manifest.tensorrt_engine(self.file) if backend == "tensorrt" else None
         qdq = manifest.io.kv_layout == "append" and precision == "int8"  # the portable INT8 graph is QDQ
+        shared = session_initializers(engine_dir, manifest, self.file) if backend == "onnxruntime" else None
         self.session = create_decoder(backend, str(Path(engine_dir) / self.file), manifest.io, manifest.model,
-                                      self.options, hidden_width, engine, qdq)
+                                      self.options, hidden_width, engine, qdq, shared)
         self.capacity = self.session.capacity
         self.session.cached_widths = frozenset(self.widths)  # decode widths reuse their output buffers
 

@@ -161,7 +161,8 @@ class DrafterInfo:
     """A DSpark block drafter trained against this engine's target (role "drafter" variants;
     their width is the block size, i.e. the verify width: width - 1 drafts). ``tables`` (npz:
     vocab_ids, markov_in, markov_out, conf_w, conf_b) and ``embedding`` (npy [V, H], the target's
-    input embeddings) are read by the runtime's sequential step."""
+    input embeddings: the drafter's own FP16 copy, or the target's separately stored FP32 table
+    when the drafter's embeddings equal it) are read by the runtime's sequential step."""
 
     kind: Literal["dspark"]
     slots: int  # drafts per block the drafter was trained for
@@ -179,6 +180,14 @@ class DrafterInfo:
     # "head": z_k from the confidence head; "draft_probability": no head, z_k = logit of the
     # largest probability of slot k's draft distribution (calibrated online by the scheduler)
     confidence: Literal["head", "draft_probability"] = "head"
+    # "own": every graph holds its LM head rows. "target_table": they equal the target's
+    # embedding table (a tied target; checked on install), and the graphs that take a
+    # ``head_table`` input read it from there instead of holding a copy.
+    head: Literal["own", "target_table"] = "own"
+    # The Markov head's tables as one .npy [Vd + 1, 2r] float32: row v holds W1[v] then W2ᵀ[v]
+    # (row Vd: the out-of-vocabulary anchor's W1 row, zeros after it). Memory-mapped, so a
+    # round pages in the rows it reads. None: markov_in / markov_out in ``tables``.
+    markov: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.temperatures) != self.slots:
@@ -220,6 +229,19 @@ class TensorRTEngine:
 
 
 @dataclass(frozen=True)
+class EmbeddingTable:
+    """A decoder graph whose input embedding Gather reads ``initializer``, an FP32 [vocab,
+    hidden] table held in ``file`` (a .npy file; the initializer's external data starts after
+    its header). The runtime memory-maps the file and supplies the table to the session itself,
+    so only gathered rows are paged in, and a DSpark drafter whose LM head is this table
+    (``DrafterInfo.head`` "target_table") reads the same pages."""
+
+    graph: str
+    initializer: str
+    file: str
+
+
+@dataclass(frozen=True)
 class Manifest:
     schema_version: int
     created_utc: str
@@ -233,6 +255,11 @@ class Manifest:
     validation: tuple[ValidationResult, ...] = field(default=())
     drafter: DrafterInfo | None = None
     tensorrt: tuple[TensorRTEngine, ...] = field(default=())
+    embedding_tables: tuple[EmbeddingTable, ...] = field(default=())
+
+    def embedding_table(self, graph: str) -> EmbeddingTable | None:
+        """The separately stored embedding table ``graph`` reads, if it has one."""
+        return next((t for t in self.embedding_tables if t.graph == graph), None)
 
     def tensorrt_engine(self, file: str) -> TensorRTEngine:
         for e in self.tensorrt:
@@ -283,16 +310,25 @@ class Manifest:
             if v.backend == "tensorrt" and not any(e.file == v.file for e in self.tensorrt):
                 raise ValueError(f"variant {v.role}/{v.precision}/w{v.width} names TensorRT engine {v.file!r} "
                                  "that the tensorrt section does not describe")
+        for t in self.embedding_tables:
+            if t.file not in known:
+                raise ValueError(f"embedding table file {t.file!r} is not listed in files")
+        if len({t.graph for t in self.embedding_tables}) != len(self.embedding_tables):
+            raise ValueError("embedding_tables lists a graph twice")
         has_drafter_variants = any(v.role == "drafter" for v in self.variants)
         if has_drafter_variants != (self.drafter is not None):
             raise ValueError("drafter variants and the drafter section must come together")
         if self.drafter is not None:
-            for f in (self.drafter.tables, self.drafter.embedding):
-                if f not in known:
+            for f in (self.drafter.tables, self.drafter.embedding, self.drafter.markov):
+                if f is not None and f not in known:
                     raise ValueError(f"drafter file {f!r} is not listed in files")
             if tuple(self.drafter.feature_layers) != tuple(self.hidden_state_layers):
                 raise ValueError(f"the drafter reads layers {list(self.drafter.feature_layers)} but the target "
                                  f"exposes {list(self.hidden_state_layers)}")
+            if self.drafter.head == "target_table" and not any(
+                    self.embedding_table(v.file) for v in self.variants if v.role == "target"):
+                raise ValueError("the drafter's LM head is the target's embedding table, but no target graph "
+                                 "lists one in embedding_tables")
             for v in self.variants:
                 if v.role == "drafter" and v.width - 1 > self.drafter.slots:
                     raise ValueError(f"drafter block {v.width} needs {v.width - 1} slots; trained for "
@@ -461,7 +497,8 @@ def verify_role_files(manifest: Manifest, engine_dir: str | os.PathLike, role: s
                       check_hashes: bool = True) -> None:
     """Check the graph files one role/precision uses (with their external data) and the tokenizer."""
     graphs = {v.file for v in manifest.variants_for(role, precision)}
+    tables = {t.file for t in manifest.embedding_tables if t.graph in graphs}
     paths = [f.path for f in manifest.files
-             if f.path in graphs or f.path == manifest.tokenizer.file
+             if f.path in graphs or f.path == manifest.tokenizer.file or f.path in tables
              or any(f.path.startswith(g + ".") for g in graphs)]
     verify_files(manifest, engine_dir, paths, check_hashes=check_hashes)

@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--precisions", type=_str_list, default=("fp32", "int8"),
                     help="drafter precisions: fp32, int8, fp16 (GPUs) (default: fp32,int8)")
     dr.add_argument("--source", default="default", help="the target's source (for its embeddings and LM head)")
+    dr.add_argument("--own-head", action="store_true",
+                    help="give the FP32 graph its own copy of the LM head even when it equals the target's "
+                         "embedding table (by default such a graph reads the target's table: one copy in memory, "
+                         "at some cost per round)")
     dr.add_argument("-v", "--verbose", action="store_true", help="log details")
 
     ng = sub.add_parser("ngram-table", help="add the n-gram drafter's corpus table (the target's habitual "
@@ -318,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "drafter":
             from .drafter.install import install_drafter
 
-            install_drafter(args.target, args.weights, args.blocks, args.precisions, args.source, progress)
+            install_drafter(args.target, args.weights, args.blocks, args.precisions, args.source, progress,
+                            share_head=not args.own_head)
             return 0
         if args.command == "target":
             options = ExportOptions(source=args.source, output=args.output, precisions=args.precisions,

@@ -124,6 +124,9 @@ class BatchedTarget:
         for f in graph.parent.iterdir():
             if f.name.startswith(graph.name):  # model.onnx and its external weights
                 os.symlink(f.resolve(), self._dir / f.name)
+        table = manifest.embedding_table(variant.file)
+        if table is not None:  # the embedding table the graph's external data entry names
+            os.symlink(engine_path(engine_dir, table.file).resolve(), self._dir / Path(table.file).name)
         io = manifest.io
         # onnxruntime-genai runs one intra-op thread unless told otherwise: use every core.
         session = {"log_id": "dspark_export.data", "provider_options": [],
@@ -316,7 +319,13 @@ def check_work(work: Path, identity: dict) -> None:
     except (OSError, ValueError) as exc:
         raise ExportError(f"{marker} is damaged ({exc}); delete {work} to start again") from exc
     diff = sorted(k for k in identity if before.get(k) != identity[k])
-    if diff:
+    if diff == ["graph_sha256"]:
+        # The same source model, tokenizer and options in a graph written another way (a newer
+        # exporter): the FP32 answers are the same model's, so the work goes on with it.
+        log.warning("%s: the target's FP32 graph differs from the one its answers began with (same source "
+                    "model and tokenizer: re-exported); going on with it", work)
+        marker.write_text(json.dumps(identity, indent=1, sort_keys=True) + "\n")
+    elif diff:
         raise ExportError(f"{work} holds answers of another engine or options ({', '.join(diff)} differ); "
                           "pass another --work folder, or the options it was made with")
 

@@ -27,6 +27,7 @@ from dspark_edge.manifest import (GraphIO, Manifest, ModelInfo, SCHEMA_VERSION, 
 
 from .atomic import publish, staging
 from .atomic import scratch as scratch_dir
+from .embedding_table import separate_embedding_table
 from .gguf_blocks import INT4_GGUF_BLOCKS, rewrite_to_gguf_blocks
 from .portable import PORTABLE_IO, PORTABLE_PRECISIONS
 from .sources import Source, load_source, resolve_source, source_digest
@@ -307,6 +308,7 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
             config.num_hidden_layers)
         _check_hidden_layers(layers, config.num_hidden_layers)
         info = _model_info(source, config, source_digest(source))
+        tables: list = []
         if options.graph == "portable":
             say(f"[{next(n)}/{steps}] tracing the portable FP32 graph (standard ONNX operators)")
             variants = _build_portable(model, hf_tok, options, info, layers, stage, scratch, say,
@@ -338,6 +340,12 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
                 variants += [Variant(role=options.role, width=w, precision=precision, backend="onnxruntime",
                                      file=f"{rel}/model.onnx") for w in options.widths]
                 say(f"      {precision} graph built in {time.perf_counter() - t0:.1f}s")
+            # After every graph is built: the int4 rewrite reads the FP32 graph as the builder wrote it.
+            for precision in options.precisions:
+                rel = f"{options.role}/{precision}/model.onnx"
+                if precision in ("fp32", "int8"):
+                    table = separate_embedding_table(stage / rel, rel, info.vocab_size, info.hidden_size, say)
+                    tables += [table] if table is not None else []
         say(f"[{next(n)}/{steps}] writing tokenizer and chat template")
         gen_cfg = getattr(model, "generation_config", None)
         own = source.path / "tokenizer.json" if source.kind == "hf" else None
@@ -351,7 +359,7 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
             created_utc=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             exporter={**_versions(), **extra_info}, model=info, tokenizer=tok_info,
             io=graph_io if layers else replace(graph_io, hidden_states=None), hidden_state_layers=layers,
-            variants=tuple(variants), files=files)
+            variants=tuple(variants), files=files, embedding_tables=tuple(tables))
         if options.target_engine is not None:
             _check_draft_compatible(manifest, options.target_engine, options.output)
         if options.validate:

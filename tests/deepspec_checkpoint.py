@@ -53,7 +53,8 @@ def write_deepspec_checkpoint(folder: Path, target_hf: Path, *, layers: int = 1,
         ids = torch.cat([torch.arange(draft_vocab // 2), rest]).sort().values
     vd = ids.numel()
     w = {"embed_tokens.weight": target["model.embed_tokens.weight"].float().clone(),
-         "lm_head.weight": target["lm_head.weight"].float()[ids].clone(),
+         # a tied target stores its head once, as the embedding
+         "lm_head.weight": target.get("lm_head.weight", target["model.embed_tokens.weight"]).float()[ids].clone(),
          "fc.weight": rand(h, h * len(target_layer_ids), scale=0.05), "hidden_norm.weight": norm(h),
          "norm.weight": norm(h)}
     if confidence_head:

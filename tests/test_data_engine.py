@@ -145,3 +145,20 @@ def test_cli_runs_and_reports(tiny_engine, tmp_path, capsys):
     assert meta["answers"] == {"prompt": 3, "copy": 0, "magpie": 0} and meta["max_new_tokens"] == 4
     assert main(["data", "--target", str(tiny_engine), "--work", str(tmp_path / "w"), "--batch", "0"]) == 2
     assert "--batch must be at least 1" in capsys.readouterr().err
+
+
+def test_a_reexported_graph_of_the_same_model_continues_the_work(tmp_path):
+    """The graph's bytes may change with the exporter (same source model, tokenizer and options):
+    the answers are the same model's, so the work folder goes on; another model is refused."""
+    import json
+
+    from dspark_edge.errors import ExportError
+    from dspark_export.data_engine import check_work
+
+    ident = {"model": "m", "source_sha256": "a" * 64, "tokenizer_sha256": "t" * 64, "graph_sha256": "1" * 64,
+             "max_new_tokens": 8, "seed": 0, "prompts": 4, "copy_prompts": 0}
+    check_work(tmp_path, ident)
+    check_work(tmp_path, {**ident, "graph_sha256": "2" * 64})
+    assert json.loads((tmp_path / "engine.json").read_text())["graph_sha256"] == "2" * 64
+    with pytest.raises(ExportError, match="source_sha256"):
+        check_work(tmp_path, {**ident, "graph_sha256": "3" * 64, "source_sha256": "b" * 64})

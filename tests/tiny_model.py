@@ -20,8 +20,9 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def make_tiny_hf(folder: Path, seed: int = 0, vocab_size: int = 384, layers: int = 3, arch: str = "llama",
-                 chat_template: bool = True) -> Path:
-    """``arch`` "llama", or "qwen3" (per-head q/k norms, an explicit head_dim)."""
+                 chat_template: bool = True, tied: bool = False) -> Path:
+    """``arch`` "llama", or "qwen3" (per-head q/k norms, an explicit head_dim). ``tied``: the LM
+    head is the input embedding (tie_word_embeddings), as in the embedded default."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -41,7 +42,7 @@ def make_tiny_hf(folder: Path, seed: int = 0, vocab_size: int = 384, layers: int
     torch.manual_seed(seed)
     shape = dict(vocab_size=tk.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
-                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
+                 tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
     if arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **shape)).eval()
     else:

@@ -12,15 +12,18 @@ BACKENDS = ("onnxruntime", "tensorrt")
 
 
 def create_decoder(backend: str, path: str, io, model, options: BackendOptions,
-                   hidden_width: int = 0, tensorrt=None, qdq: bool = False) -> DecoderSession:
+                   hidden_width: int = 0, tensorrt=None, qdq: bool = False,
+                   initializers: dict | None = None) -> DecoderSession:
     """Open a decoder graph with the named backend: "onnxruntime", or "tensorrt" (``tensorrt``
-    is the manifest's description of the engine). ``qdq``: an explicitly quantized graph."""
+    is the manifest's description of the engine). ``qdq``: an explicitly quantized graph.
+    ``initializers``: arrays the onnxruntime session computes with in place of the graph's own
+    (``tables.session_initializers``)."""
     from ..errors import BackendError
 
     if backend == "onnxruntime":
         from .ort import OrtDecoder
 
-        return OrtDecoder(path, io, model, options, hidden_width, qdq)
+        return OrtDecoder(path, io, model, options, hidden_width, qdq, initializers)
     if backend == "tensorrt":
         from .trt import TrtDecoder
 

@@ -89,8 +89,13 @@ def resolve_providers(options: BackendOptions) -> tuple[list[str], list[dict]]:
     return chosen, chosen_opts
 
 
-def open_session(path: str, options: BackendOptions, qdq: bool = False):
+def open_session(path: str, options: BackendOptions, qdq: bool = False,
+                 initializers: dict[str, np.ndarray] | None = None):
     """An InferenceSession for ``path`` with the options' threads, spinning and providers.
+
+    ``initializers``: arrays that replace the graph's initializers of those names on the CPU
+    provider (onnxruntime computes with the caller's memory; the session keeps a reference).
+    On other providers the session reads the graph's own files as usual.
 
     ``qdq``: the graph is explicitly quantized (the portable INT8 graph). On the CPU provider its
     QDQ fusions are turned off: the fused int8 kernels they make are far slower than FP32 for this
@@ -110,12 +115,18 @@ def open_session(path: str, options: BackendOptions, qdq: bool = False):
         so.add_session_config_entry("session.disable_quant_qdq", "1")
     so.log_severity_level = 3
     providers, provider_options = resolve_providers(options)
+    values = []
+    if initializers and providers[0] == "CPUExecutionProvider":
+        for name, array in initializers.items():
+            values.append(ort.OrtValue.ortvalue_from_numpy(array))
+            so.add_initializer(name, values[-1])
     try:
         session = ort.InferenceSession(path, so, providers=providers, provider_options=provider_options)
     except Exception as exc:  # onnxruntime raises several unrelated types here
         raise EngineError(f"onnxruntime could not load {path}: {exc}. The file may be truncated or "
                           "corrupted, or need a newer onnxruntime; re-export the engine folder") from exc
     check_created_providers(providers, session.get_providers(), options.fallback_to_cpu)
+    session.dspark_initializers = (initializers, values)  # the memory the session computes with
     return session
 
 
@@ -221,11 +232,11 @@ class OrtDecoder:
     """A decoder graph in an ONNX Runtime session (see module docstring)."""
 
     def __init__(self, path: str, io: GraphIO, model: ModelInfo, options: BackendOptions,
-                 hidden_width: int = 0, qdq: bool = False) -> None:
+                 hidden_width: int = 0, qdq: bool = False, initializers: dict | None = None) -> None:
         self.capacity = min(options.max_context, model.max_position_embeddings)
         options = _with_trt_profile(options, io, model, self.capacity)
         self.path, self.io, self.model, self.options = path, io, model, options
-        self.session = open_session(path, options, qdq)
+        self.session = open_session(path, options, qdq, initializers)
         self.providers = tuple(self.session.get_providers())
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = {o.name for o in self.session.get_outputs()}

@@ -82,6 +82,8 @@ def cmd_inspect(args) -> int:
                       f"{', '.join(sorted(files))}{gpu}")
     if "int4_weights" in m.exporter:
         print(f"int4       weights: {m.exporter['int4_weights']}")
+    for t in m.embedding_tables:
+        print(f"embedding  {t.graph} gathers from {t.file} (memory-mapped)")
     for e in m.tensorrt:
         print(f"tensorrt   {e.precision:<5} {e.file}: profiles {[w or 'prefill' for w in e.profiles]}, context "
               f"<= {e.max_context}, TensorRT {e.tensorrt_version}, built for {e.gpu} (compute {e.compute_capability})")
@@ -94,6 +96,8 @@ def cmd_inspect(args) -> int:
         print(f"drafter    dspark: {d.num_layers} layers, {d.slots} slots, draft vocab {d.draft_vocab}, Markov rank "
               f"{d.markov_rank}, calibrated T {' '.join(f'{t:.2f}' for t in d.temperatures)}"
               + (f", b {' '.join(f'{b:+.2f}' for b in d.biases)}" if d.biases else ""))
+        print("           LM head: " + ("the target's embedding table (FP32 graph; not held twice)"
+                                       if d.head == "target_table" else "its own") + f"; embeddings: {d.embedding}")
     if table is not None:
         print(f"ngram      corpus table {table['file']}: " + (
             f"{table['contexts']} contexts (up to {table['max_n']} tokens) from {table['answers']} answers"

@@ -25,12 +25,15 @@ from pathlib import Path
 import numpy as np
 
 from ..backends import BackendOptions
+from ..backends.tables import map_npy, shared_table, target_table
 from ..errors import ConfigError, EngineError
-from ..manifest import Manifest, verify_files, verify_role_files
+from ..manifest import Manifest, engine_path, verify_files, verify_role_files
 from ..sampling import coupled_pick, probs, sample
 from .base import BaseDrafter, Draft, DraftRequest
 
 log = logging.getLogger(__name__)
+
+HEAD_TABLE = "head_table"  # the drafter graph's input for a shared LM head (export.drafter.onnx_export)
 
 
 def sigmoid(x: np.ndarray | float) -> np.ndarray:
@@ -114,20 +117,46 @@ class DSparkDrafter(BaseDrafter):
         if precision not in available:
             raise ConfigError(f"drafter precision {precision!r} is not in {engine_dir} (it has {available})")
         verify_role_files(manifest, engine_dir, "drafter", precision, check_hashes=verify_hashes)
-        verify_files(manifest, engine_dir, [info.tables, info.embedding], check_hashes=verify_hashes)
+        verify_files(manifest, engine_dir, [f for f in (info.tables, info.embedding, info.markov) if f],
+                     check_hashes=verify_hashes)
         variants = manifest.variants_for("drafter", precision, "onnxruntime")
         self.info, self.precision = info, precision
         self.blocks = tuple(sorted(v.width for v in variants))  # verify widths = drafts + 1
         self.session = open_session(str(engine_dir / variants[0].file), options or BackendOptions())
+        # A graph with a head_table input reads its LM head rows from the target's embedding
+        # table (manifest: head "target_table"): the target's own mapping, not a copy.
+        self.head_table = None
+        if HEAD_TABLE in {i.name for i in self.session.get_inputs()}:
+            table = target_table(engine_dir, manifest) if info.head == "target_table" else None
+            if table is None:
+                raise EngineError(f"{engine_dir}: the {precision} drafter graph reads its LM head from the target's "
+                                  "embedding table, but the manifest lists none for it; re-install the drafter")
+            verify_files(manifest, engine_dir, [table.file], check_hashes=verify_hashes)
+            self.head_table = shared_table(engine_dir, manifest, table)
         t = np.load(engine_dir / info.tables)
         self.vocab_ids = t["vocab_ids"].astype(np.int64)
-        self.w1, self.w2 = t["markov_in"].astype(np.float32), t["markov_out"].astype(np.float32)
+        if markov_top_k == "auto":
+            markov_top_k = MARKOV_TOP_K if self.vocab_ids.size > FULL_MARKOV_MAX else None
+        if markov_top_k is not None and (isinstance(markov_top_k, bool) or not isinstance(markov_top_k, int)
+                                         or markov_top_k < 1):
+            raise ConfigError(f"markov_top_k must be a positive integer, None or 'auto', got {markov_top_k!r}")
+        self.markov_top_k = markov_top_k
+        self.w1, self.w2 = self._markov(engine_dir, info, t, markov_top_k)
         # An imported drafter with a d2t vocabulary keeps W1's rows for every target token (FP16):
         # an anchor outside the draft vocabulary reads its own row.
         self.anchor_rows = t["markov_anchor"] if "markov_anchor" in t.files else None
         self.conf_w = t["conf_w"].astype(np.float64) if info.confidence == "head" else None
         self.conf_b = float(t["conf_b"][0])
-        self.embedding = np.load(engine_dir / info.embedding, mmap_mode="r")  # only read rows are paged in
+        target_rows = next((e for e in manifest.embedding_tables if e.file == info.embedding), None)
+        try:  # only read rows are paged in; the target's own table through its one mapping
+            self.embedding = (shared_table(engine_dir, manifest, target_rows) if target_rows is not None
+                              else map_npy(engine_path(engine_dir, info.embedding)))
+        except (ValueError, OSError) as exc:
+            raise EngineError(f"{engine_dir / info.embedding} is not a readable .npy table ({exc}); re-install "
+                              "the drafter") from None
+        if self.embedding.shape != (manifest.model.vocab_size, manifest.model.hidden_size):
+            raise EngineError(f"{engine_dir / info.embedding} holds shape {self.embedding.shape}, not the target's "
+                              f"[{manifest.model.vocab_size}, {manifest.model.hidden_size}] embeddings; re-install the drafter")
         self.to_draft = np.full(manifest.model.vocab_size, self.vocab_ids.size, dtype=np.int64)
         self.to_draft[self.vocab_ids] = np.arange(self.vocab_ids.size)
         self.temperatures = np.asarray(info.temperatures, dtype=np.float64)
@@ -136,13 +165,26 @@ class DSparkDrafter(BaseDrafter):
         self.vocab_size = manifest.model.vocab_size
         self.feature_dim = manifest.model.hidden_size * len(info.feature_layers)
         self._shape = (info.num_kv_heads, info.head_dim)
-        if markov_top_k == "auto":
-            markov_top_k = MARKOV_TOP_K if self.vocab_ids.size > FULL_MARKOV_MAX else None
-        if markov_top_k is not None and (isinstance(markov_top_k, bool) or not isinstance(markov_top_k, int)
-                                         or markov_top_k < 1):
-            raise ConfigError(f"markov_top_k must be a positive integer, None or 'auto', got {markov_top_k!r}")
-        self.markov_top_k = markov_top_k
         self.begin(())
+
+    def _markov(self, engine_dir: Path, info, tables, top_k) -> tuple[np.ndarray, np.ndarray]:
+        """(W1 [Vd + 1, r], W2 [r, Vd]). From ``markov.npy`` (memory-mapped): W1's rows read in
+        place, and W2 a view of W2ᵀ's rows with a Markov top-k (a round reads its candidates'
+        rows only), or a contiguous copy when every round reads all of it (the faster product
+        for a draft vocabulary small enough to bias whole)."""
+        if info.markov is None:
+            return tables["markov_in"].astype(np.float32), tables["markov_out"].astype(np.float32)
+        vd, r = self.vocab_ids.size, info.markov_rank
+        path = engine_path(engine_dir, info.markov)
+        try:
+            both = map_npy(path)
+        except (ValueError, OSError) as exc:
+            raise EngineError(f"{path} is not a readable .npy table ({exc}); re-install the drafter") from None
+        if both.shape != (vd + 1, 2 * r) or both.dtype != np.float32:
+            raise EngineError(f"{path} holds a {both.dtype} array of shape {both.shape}, not the float32 "
+                              f"[{vd + 1}, {2 * r}] Markov tables of this drafter; re-install the drafter")
+        w2 = both[:vd, r:].T
+        return both[:, :r], (w2 if top_k is not None else np.ascontiguousarray(w2))
 
     @property
     def max_drafts(self) -> int:
@@ -170,6 +212,8 @@ class DSparkDrafter(BaseDrafter):
                 "block_positions": np.arange(position, position + slots, dtype=np.int64)}
         for i in range(self.info.num_layers):
             feed[f"past_key.{i}"], feed[f"past_value.{i}"] = self._past[2 * i], self._past[2 * i + 1]
+        if self.head_table is not None:
+            feed[HEAD_TABLE] = self.head_table
         out = self.session.run(None, feed)
         self._past, self._n = out[2:], position
         return out[0], out[1]

@@ -1,6 +1,7 @@
 """``python -m export drafter``: put a trained DSpark drafter into its target's engine folder.
 
-Writes ``drafter-<id>/`` (the graph in each precision, ``tables.npz``, ``embedding.npy``) beside
+Writes ``drafter-<id>/`` (the graph in each precision, ``tables.npz``, ``markov.npy``,
+``embedding.npy``) beside
 the target, validates the graph against PyTorch, then rewrites ``manifest.json`` atomically to
 list it, and only then removes a previous drafter folder. Interrupted at any point, the engine
 folder stays loadable: the manifest names either the old drafter or the new one, complete.
@@ -64,14 +65,14 @@ def _check_trained(target_engine: Path, weights: Path, manifest) -> tuple[dict, 
     return meta, int(meta["config"]["slots"])
 
 
-def _validate(model, graph: Path, cfg, ids: list[int], feats: np.ndarray) -> dict:
+def _validate(model, graph: Path, cfg, ids: list[int], feats: np.ndarray, head_table: np.ndarray | None = None) -> dict:
     """Incremental rounds through the ONNX graph (context appended round by round, as the
     runtime does) against PyTorch from scratch, over real features: max |Δlogit| and the share
-    of slots whose top-1 draft agrees."""
+    of slots whose top-1 draft agrees. ``head_table``: fed to a graph with a shared head."""
     import onnxruntime as ort
     import torch
 
-    from .onnx_export import reference_round
+    from .onnx_export import HEAD_TABLE, reference_round
 
     sess = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
     past = {f"past_{kv}.{i}": np.zeros((cfg.num_kv_heads, 0, cfg.head_dim), np.float32)
@@ -83,6 +84,8 @@ def _validate(model, graph: Path, cfg, ids: list[int], feats: np.ndarray) -> dic
         anchor = int(ids[cut])
         feed = {"features": feats[n:cut], "anchor_embedding": model.embed[anchor][None].numpy(),
                 "block_positions": np.arange(cut, cut + cfg.slots, dtype=np.int64), **past}
+        if head_table is not None:
+            feed[HEAD_TABLE] = head_table
         out = sess.run(None, feed)
         n = cut
         ref_l, _ = reference_round(model, t_feats[:n], anchor, n, cfg.slots)
@@ -149,12 +152,40 @@ def _load_deepspec(target_engine: Path, weights: Path, manifest):
     return model, deepspec.Reference(cfg, tensors), digest, meta, {} if anchors is None else {"markov_anchor": anchors}
 
 
+def _target_table(target_engine: Path, manifest):
+    """(manifest entry, mapped array) of the target's separately stored embedding table, or
+    (None, None) when its graphs keep theirs inside."""
+    from dspark_edge.backends.tables import target_table
+    from dspark_edge.manifest import engine_path, verify_files
+
+    entry = target_table(target_engine, manifest)
+    if entry is None:
+        return None, None
+    verify_files(manifest, target_engine, [entry.file])
+    table = np.load(engine_path(target_engine, entry.file), mmap_mode="r", allow_pickle=False)
+    if table.shape != (manifest.model.vocab_size, manifest.model.hidden_size) or table.dtype != np.float32:
+        raise ExportError(f"{target_engine / entry.file} is not the target's float32 embedding table "
+                          f"(it holds {table.dtype} {table.shape}); re-export the target")
+    return entry, table
+
+
+def _equal(weights, table: np.ndarray | None) -> bool:
+    return table is not None and tuple(weights.shape) == table.shape and np.array_equal(weights.numpy(), table)
+
+
 def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] | None = None,
-                    precisions: tuple[str, ...] = PRECISIONS, source: str = "default", progress=print) -> Path:
+                    precisions: tuple[str, ...] = PRECISIONS, source: str = "default", progress=print,
+                    share_head: bool = True) -> Path:
     """``weights``: a drafter folder from ``train-drafter``, or a DeepSpec checkpoint folder
     (``deepspec.py``). ``blocks`` (verify widths = drafts + 1): None lists 4 and 8 for a drafter
     trained here, and every verify width of the target from 2 to the checkpoint's block size + 1
-    for a DeepSpec one."""
+    for a DeepSpec one. ``share_head``: when the drafter's LM head is exactly the target's
+    separately stored embedding table (a full-vocabulary drafter of a tied target: DeepSpec
+    copies the target's head and freezes it), the FP32 graph reads the target's table at run
+    time instead of holding its own copy (the INT8 and FP16 graphs keep their own, quantized or
+    halved); False keeps a copy in every graph. A drafter whose input embeddings are that table
+    (any drafter of such a target) reads its anchors' rows there too, exact in FP32, and no
+    ``embedding.npy`` is written."""
     from . import deepspec
     from .onnx_export import convert_fp16, export_onnx, quantize_int8, tables
 
@@ -197,6 +228,7 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
     while (target_engine / name).exists():  # never overwrite what the manifest may list
         name, n = f"drafter-{digest[:8]}-{n}", n + 1
     stage = target_engine / f".{name}.partial"
+    rel = lambda p: f"{name}/{p}"  # noqa: E731
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
     try:
@@ -208,24 +240,37 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
             rep = report["deepspec"]
             if rep["drafts_identical"] < rep["rounds"] or rep["max_abs_confidence_logit_diff"] > 1e-3:
                 raise ExportError(f"the converted drafter differs from the DeepSpec forward ({rep}); not installing it")
+        table_entry, target_rows = _target_table(target_engine, manifest)
+        table = target_rows if share_head and "fp32" in precisions and _equal(model.head, target_rows) else None
+        embedding = table_entry.file if _equal(model.embed, target_rows) else rel("embedding.npy")
         (stage / "fp32").mkdir()
-        export_onnx(model, stage / "fp32" / "model.onnx")
-        report["fp32"] = _validate(model, stage / "fp32" / "model.onnx", cfg, ids, feats)
+        export_onnx(model, stage / "fp32" / "model.onnx", shared_head=table is not None)
+        report["fp32"] = _validate(model, stage / "fp32" / "model.onnx", cfg, ids, feats, table)
         if report["fp32"]["max_abs_logit_diff"] > 1e-2:
             raise ExportError(f"the exported drafter differs from PyTorch (max |Δlogit| "
                               f"{report['fp32']['max_abs_logit_diff']:.3g}); not installing it")
+        own = stage / "fp32" / "model.onnx"  # the graph with its own head, that INT8 and FP16 derive from
+        if table is not None and ("int8" in precisions or "fp16" in precisions):
+            (stage / ".own-head").mkdir()
+            own = stage / ".own-head" / "model.onnx"
+            export_onnx(model, own)
         if "int8" in precisions:
             (stage / "int8").mkdir()
-            kept = quantize_int8(stage / "fp32" / "model.onnx", stage / "int8" / "model.onnx")
+            kept = quantize_int8(own, stage / "int8" / "model.onnx")
             report["int8"] = {**_validate(model, stage / "int8" / "model.onnx", cfg, ids, feats), "fp32_matmuls": kept}
         if "fp16" in precisions:
             (stage / "fp16").mkdir()
-            convert_fp16(stage / "fp32" / "model.onnx", stage / "fp16" / "model.onnx")
+            convert_fp16(own, stage / "fp16" / "model.onnx")
             report["fp16"] = _validate(model, stage / "fp16" / "model.onnx", cfg, ids, feats)
+        shutil.rmtree(stage / ".own-head", ignore_errors=True)
         if "fp32" not in precisions:
             shutil.rmtree(stage / "fp32")
+        w1, w2 = tab.pop("markov_in"), tab.pop("markov_out")  # [Vd + 1, r], [r, Vd]
+        np.save(stage / "markov.npy", np.concatenate([w1, np.concatenate([w2.T, np.zeros_like(w1[:1])])], axis=1)
+                .astype(np.float32))
         np.savez(stage / "tables.npz", **tab)
-        np.save(stage / "embedding.npy", model.embed.numpy().astype(np.float16))
+        if embedding == rel("embedding.npy"):
+            np.save(stage / "embedding.npy", model.embed.numpy().astype(np.float16))
         if imported:
             (stage / "calibration.json").write_text(json.dumps(meta["calibration"], indent=1) + "\n")
         else:
@@ -235,15 +280,18 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
             for p, r in report.items() if p != "deepspec")
             + ("" if reference is None else f"; DeepSpec forward: drafts identical in "
                f"{report['deepspec']['drafts_identical']}/{report['deepspec']['rounds']} rounds"))
+        if table is not None:
+            progress(f"      the FP32 graph reads its LM head from the target's embedding table "
+                     f"({table.nbytes / 2**20:.0f} MiB not held twice)")
         stage.rename(target_engine / name)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    rel = lambda p: f"{name}/{p}"  # noqa: E731
     old_files = {v.file.split("/")[0] for v in manifest.variants if v.role == "drafter"}
     keep_files = [f for f in manifest.files if f.path.split("/")[0] not in old_files]
     new_files = [file_entry(target_engine, rel(p)) for p in
-                 [f"{pr}/model.onnx" for pr in precisions] + ["tables.npz", "embedding.npy"]]
+                 [f"{pr}/model.onnx" for pr in precisions] + ["tables.npz", "markov.npy"]
+                 + (["embedding.npy"] if embedding == rel("embedding.npy") else [])]
     variants = [v for v in manifest.variants if v.role != "drafter"] + [
         Variant(role="drafter", width=b, precision=pr, backend="onnxruntime", file=rel(f"{pr}/model.onnx"),
                 device="gpu" if pr == "fp16" else "any")
@@ -259,8 +307,8 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
                        num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                        feature_layers=tuple(cfg.feature_layers), temperatures=tuple(meta["temperatures"]),
                        biases=tuple(meta.get("biases", ())), confidence=meta.get("confidence", "head"),
-                       tables=rel("tables.npz"), embedding=rel("embedding.npy"),
-                       provenance=provenance)
+                       tables=rel("tables.npz"), embedding=embedding, markov=rel("markov.npy"),
+                       provenance=provenance, head="target_table" if table is not None else "own")
     new = dataclasses.replace(manifest, variants=tuple(variants), files=tuple(keep_files + new_files), drafter=info)
     write_manifest(new, target_engine)
     for old in old_files:

@@ -7,6 +7,9 @@ Graph (per round; m new committed positions, n = anchor position, γ slots):
              anchor_embedding [1, H] the anchor's (target's) input embedding
              block_positions [γ]     n, n+1, …, n+γ-1  (γ and n come from here)
              past_key.{l}, past_value.{l} [kv, n-m, D]   the context cache so far
+             head_table [V, H]       only in a graph exported with ``shared_head``: the target's
+                                     embedding table, which is this drafter's LM head (a tied
+                                     target; the runtime feeds the target's own mapped table)
     outputs  logits [γ, Vd]          base logits U (the target's LM head rows)
              hidden [γ, H]           h, for the confidence head
              present_key.{l}, present_value.{l} [kv, n, D]  the cache with the m positions appended
@@ -26,27 +29,31 @@ from torch import nn
 from .model import DSparkDraft, rope
 
 
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+HEAD_TABLE = "head_table"
+
+
+def io_names(num_layers: int, shared_head: bool = False) -> tuple[list[str], list[str]]:
     ins = ["features", "anchor_embedding", "block_positions"]
     outs = ["logits", "hidden"]
     for i in range(num_layers):
         ins += [f"past_key.{i}", f"past_value.{i}"]
         outs += [f"present_key.{i}", f"present_value.{i}"]
-    return ins, outs
+    return ins + ([HEAD_TABLE] if shared_head else []), outs
 
 
 class RoundGraph(nn.Module):
-    def __init__(self, model: DSparkDraft) -> None:
+    def __init__(self, model: DSparkDraft, shared_head: bool = False) -> None:
         super().__init__()
-        self.m = model
+        self.m, self.shared_head = model, shared_head
         # The LM head rows as a parameter, so the graph holds them as an initializer that the
         # INT8 quantizer quantizes (the model keeps them in a non-persistent buffer, which
         # tracing would bake in as an FP32 Constant node: a full-vocabulary head of 113 MB
-        # left FP32 in the INT8 graph).
-        self.head_t = nn.Parameter(model.head.T.contiguous(), requires_grad=False)
+        # left FP32 in the INT8 graph). A shared head reads the ``head_table`` input instead.
+        self.head_t = None if shared_head else nn.Parameter(model.head.T.contiguous(), requires_grad=False)
 
-    def forward(self, features, anchor_embedding, block_positions, *past):
+    def forward(self, features, anchor_embedding, block_positions, *rest):
         m = self.m
+        past = rest[:2 * len(m.layers)]
         n_new = features.shape[0]
         ctx = m.context(features)[None]  # [1, m, H]
         ctx_pos = (block_positions[0] - n_new + torch.arange(n_new, dtype=torch.int64))[None]
@@ -61,19 +68,27 @@ class RoundGraph(nn.Module):
             presents += [k[0], v[0]]
             x = layer(x, pos, k, v, None)
         h = m.norm(x)[0]
+        if self.shared_head:
+            # [V, H] · [H, γ], then transposed: the table is read row-major as it lies, never
+            # transposed itself (a Transpose of a 100 MB input would be a copy every round).
+            return ((rest[-1] @ h.transpose(0, 1)).transpose(0, 1), h, *presents)
         return (h @ self.head_t, h, *presents)
 
 
-def export_onnx(model: DSparkDraft, path: Path) -> None:
+def export_onnx(model: DSparkDraft, path: Path, shared_head: bool = False) -> None:
+    """``shared_head``: the graph takes its LM head rows as the input ``head_table`` [V, H]
+    (the target's embedding table, equal to them) instead of holding them."""
     cfg = model.cfg
     model.eval()
-    graph = RoundGraph(model)
-    ins, outs = io_names(cfg.num_layers)
+    graph = RoundGraph(model, shared_head)
+    ins, outs = io_names(cfg.num_layers, shared_head)
     m, past_n, g = 5, 11, cfg.slots
     args = [torch.randn(m, cfg.feature_dim), torch.randn(1, cfg.hidden_size),
             torch.arange(past_n + m, past_n + m + g, dtype=torch.int64)]
     for _ in range(cfg.num_layers):
         args += [torch.randn(cfg.num_kv_heads, past_n, cfg.head_dim)] * 2
+    if shared_head:
+        args.append(model.head.detach().clone())
     dyn = {"features": {0: "new_positions"}, "block_positions": {0: "slots"},
            "logits": {0: "slots"}, "hidden": {0: "slots"}}
     for i in range(cfg.num_layers):
@@ -135,4 +150,4 @@ def reference_round(model: DSparkDraft, features: torch.Tensor, anchor: int, n: 
         return model.base_logits(h).numpy(), h.numpy()
 
 
-__all__ = ["RoundGraph", "export_onnx", "quantize_int8", "convert_fp16", "tables", "reference_round", "io_names", "rope"]
+__all__ = ["HEAD_TABLE", "RoundGraph", "export_onnx", "quantize_int8", "convert_fp16", "tables", "reference_round", "io_names", "rope"]
