@@ -5,6 +5,18 @@ Messages say what went wrong, where, and how to fix it.
 
 from __future__ import annotations
 
+import struct
+import zipfile
+import zlib
+
+# What numpy and zipfile raise for a damaged .npz file (truncated, a damaged member or its
+# compressed data, an unsupported zip version or compression method, an encrypted member):
+# readers of engine-folder tables catch these and raise an EngineError naming the fix.
+NPZ_ERRORS: tuple[type[BaseException], ...] = (
+    OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, zlib.error, struct.error,
+    RuntimeError)  # zipfile's NotImplementedError (version, compression) and "encrypted" errors;
+                   # RecursionError (deeply nested JSON metadata)
+
 
 class DSparkError(Exception):
     """Base class of every error dspark_edge raises on purpose."""

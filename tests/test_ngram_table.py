@@ -459,3 +459,25 @@ def test_a_table_with_damaged_compressed_data_is_a_project_error(tmp_path):
         except EngineError as exc:
             refused += "not a readable n-gram table" in str(exc) or "not a sorted table" in str(exc)
     assert refused > 0
+
+
+@pytest.mark.parametrize("field,value", [(6, 64), (10, 99)])  # version needed to extract 6.4; compression 99
+def test_a_table_zip_cannot_open_is_a_project_error(tmp_path, field, value):
+    """A damaged central directory can name a zip version or a compression method that zipfile
+    does not implement (NotImplementedError, found by the engine fuzz test): an EngineError."""
+    import json
+
+    from dspark_edge.drafters.ngram_table import READABLE, NgramTable
+    from dspark_edge.errors import EngineError
+
+    path = tmp_path / "t.npz"
+    keys = np.arange(0, 300, 3, dtype=np.int64)
+    np.savez_compressed(path, meta=np.array(json.dumps({"format": max(READABLE), "context_lengths": [1]})),
+                        keys_1=keys, next_1=np.zeros(keys.size, np.int32), share_1=np.ones(keys.size, np.float32),
+                        count_1=np.ones(keys.size, np.int32))
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"PK\x01\x02")  # the first central directory entry
+    raw[at + field:at + field + 2] = value.to_bytes(2, "little")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(EngineError, match="not a readable n-gram table"):
+        NgramTable.load(path)

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..backends import BackendOptions
 from ..backends.tables import map_npy, shared_table, target_table
-from ..errors import ConfigError, EngineError
+from ..errors import NPZ_ERRORS, ConfigError, EngineError
 from ..manifest import Manifest, engine_path, verify_files, verify_role_files
 from ..sampling import coupled_pick, probs, sample
 from .base import BaseDrafter, Draft, DraftRequest
@@ -133,8 +133,17 @@ class DSparkDrafter(BaseDrafter):
                                   "embedding table, but the manifest lists none for it; re-install the drafter")
             verify_files(manifest, engine_dir, [table.file], check_hashes=verify_hashes)
             self.head_table = shared_table(engine_dir, manifest, table)
-        t = np.load(engine_dir / info.tables)
-        self.vocab_ids = t["vocab_ids"].astype(np.int64)
+        try:  # every member read here: a damaged one fails now, not in a later round
+            with np.load(engine_path(engine_dir, info.tables), allow_pickle=False) as z:
+                t = {k: z[k] for k in z.files}
+            self.vocab_ids = t["vocab_ids"].astype(np.int64)
+            self.conf_b = float(t["conf_b"][0])
+            self.conf_w = t["conf_w"].astype(np.float64) if info.confidence == "head" else None
+            if info.markov is None and not {"markov_in", "markov_out"} <= t.keys():  # installed before markov.npy
+                raise KeyError("markov_in, markov_out")
+        except NPZ_ERRORS as exc:
+            raise EngineError(f"{engine_dir / info.tables} is not a readable drafter table ({type(exc).__name__}: "
+                              f"{str(exc)[:160]}); re-install the drafter") from None
         if markov_top_k == "auto":
             markov_top_k = MARKOV_TOP_K if self.vocab_ids.size > FULL_MARKOV_MAX else None
         if markov_top_k is not None and (isinstance(markov_top_k, bool) or not isinstance(markov_top_k, int)
@@ -144,9 +153,7 @@ class DSparkDrafter(BaseDrafter):
         self.w1, self.w2 = self._markov(engine_dir, info, t, markov_top_k)
         # An imported drafter with a d2t vocabulary keeps W1's rows for every target token (FP16):
         # an anchor outside the draft vocabulary reads its own row.
-        self.anchor_rows = t["markov_anchor"] if "markov_anchor" in t.files else None
-        self.conf_w = t["conf_w"].astype(np.float64) if info.confidence == "head" else None
-        self.conf_b = float(t["conf_b"][0])
+        self.anchor_rows = t.get("markov_anchor")
         target_rows = next((e for e in manifest.embedding_tables if e.file == info.embedding), None)
         try:  # only read rows are paged in; the target's own table through its one mapping
             self.embedding = (shared_table(engine_dir, manifest, target_rows) if target_rows is not None

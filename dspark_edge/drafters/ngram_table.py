@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import json
 import logging
-import zipfile
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, EngineError
+from ..errors import NPZ_ERRORS, ConfigError, EngineError
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +106,7 @@ class NgramTable:
                 counts = {n: z[f"count_{n}"].astype(np.int32) for n in lengths} if meta["format"] >= 2 else None
         except EngineError:
             raise
-        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, zlib.error,
-                RecursionError) as exc:
+        except NPZ_ERRORS as exc:
             # a truncated or empty file, a damaged zip member (or its compressed data), meta that is not the table's
             raise EngineError(f"{path} is not a readable n-gram table ({type(exc).__name__}: {str(exc)[:160]}); "
                               "rebuild it with `python -m export ngram-table`, or remove it") from None
