@@ -19,7 +19,8 @@ import dspark_edge
 from dspark_edge.errors import DSparkError
 from dspark_edge.manifest import file_entry
 
-FILES = ("manifest.json", "tokenizer.json", "chat_template.jinja", "ngram_table.npz", "profile")
+FILES = ("manifest.json", "tokenizer.json", "chat_template.jinja", "ngram_table.npz", "profile",
+         "target/fp32/embed_tokens.npy")
 
 _opened: list[str] = []
 _watching = [False]

@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import threading
+import tokenize
 import weakref
 
 import numpy as np
@@ -34,13 +35,17 @@ def map_npy(path: str | os.PathLike) -> np.ndarray:
     resident within a few hundred tokens). Raises ValueError or OSError for a file that is not
     a plain .npy array."""
     with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
-            raise ValueError(f".npy format version {version} is not one this reader maps")
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            else:
+                raise ValueError(f".npy format version {version} is not one this reader maps")
+        except (SyntaxError, tokenize.TokenError, TypeError, KeyError, IndexError, OverflowError, RecursionError,
+                MemoryError) as exc:  # numpy parses the header as Python literals: a damaged one fails in the tokenizer
+            raise ValueError(f"the .npy header does not parse ({type(exc).__name__}: {str(exc)[:80]})") from None
         offset = f.tell()
         if fortran or dtype.hasobject:
             raise ValueError("not a C-ordered numeric array")
