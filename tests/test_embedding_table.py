@@ -216,3 +216,28 @@ def test_the_markov_tables_are_mapped_and_a_damaged_file_is_refused(tied, tmp_pa
                                          if f["path"] == entry.path])
     with pytest.raises(EngineError, match="Markov tables"):
         DSparkDrafter(engine, read_manifest(engine), "fp32")
+
+
+def test_a_shared_head_on_a_device_provider_warns(tied, monkeypatch, caplog):
+    """On a GPU provider the host table would be copied to the device every round: said at load."""
+    import dspark_edge.backends.ort as ort_backend
+    import dspark_edge.drafters.dspark as dspark_mod
+    from dspark_edge.manifest import read_manifest
+
+    real = ort_backend.open_session
+
+    class OnDevice:
+        def __init__(self, session):
+            self._s = session
+
+        def get_providers(self):
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+        def __getattr__(self, name):
+            return getattr(self._s, name)
+
+    monkeypatch.setattr(ort_backend, "open_session", lambda *a, **k: OnDevice(real(*a, **k)))
+    engine = tied[0]
+    with caplog.at_level("WARNING", logger="dspark_edge.drafters.dspark"):
+        dspark_mod.DSparkDrafter(engine, read_manifest(engine), "fp32")
+    assert "--own-head" in caplog.text

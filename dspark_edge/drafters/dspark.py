@@ -133,6 +133,10 @@ class DSparkDrafter(BaseDrafter):
                                   "embedding table, but the manifest lists none for it; re-install the drafter")
             verify_files(manifest, engine_dir, [table.file], check_hashes=verify_hashes)
             self.head_table = shared_table(engine_dir, manifest, table)
+            if self.session.get_providers()[0] != "CPUExecutionProvider":
+                log.warning("the %s drafter reads its LM head from the target's table in host memory: on %s every "
+                            "round copies it to the device. Use the fp16 drafter there, or re-install with "
+                            "--own-head", precision, self.session.get_providers()[0])
         try:  # every member read here: a damaged one fails now, not in a later round
             with np.load(engine_path(engine_dir, info.tables), allow_pickle=False) as z:
                 t = {k: z[k] for k in z.files}
