@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="give the FP32 graph its own copy of the LM head even when it equals the target's "
                          "embedding table (by default such a graph reads the target's table: one copy in memory, "
                          "at some cost per round)")
+    dr.add_argument("--markov-dtype", choices=("float16", "float32"), default="float16",
+                    help="how markov.npy stores the Markov tables (default: float16, half the memory; drafts "
+                         "change only at near-ties, which costs acceptance, never exactness)")
     dr.add_argument("-v", "--verbose", action="store_true", help="log details")
 
     ng = sub.add_parser("ngram-table", help="add the n-gram drafter's corpus table (the target's habitual "
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             from .drafter.install import install_drafter
 
             install_drafter(args.target, args.weights, args.blocks, args.precisions, args.source, progress,
-                            share_head=not args.own_head)
+                            share_head=not args.own_head, markov_dtype=args.markov_dtype)
             return 0
         if args.command == "target":
             options = ExportOptions(source=args.source, output=args.output, precisions=args.precisions,

@@ -218,6 +218,35 @@ def test_the_markov_tables_are_mapped_and_a_damaged_file_is_refused(tied, tmp_pa
         DSparkDrafter(engine, read_manifest(engine), "fp32")
 
 
+def test_the_markov_tables_are_half_precision_unless_asked_or_out_of_range(tied, tmp_path):
+    """FP16 by default (the install report counts the DeepSpec validation rounds it changed),
+    FP32 on request or when a weight lies beyond FP16's range; both load and read the same rows."""
+    from dspark_edge.drafters.dspark import DSparkDrafter
+    from dspark_edge.manifest import read_manifest
+    from dspark_export.drafter.install import _markov_dtype, install_drafter
+
+    engine, _, ckpt, _ = tied
+    m = read_manifest(engine)
+    half = np.load(engine / m.drafter.markov)
+    assert half.dtype == np.float16
+    report = json.loads(m.drafter.provenance["validation"])["deepspec"]
+    assert 0 <= report["drafts_identical_fp16_markov"] <= report["rounds"]
+    copy = tmp_path / "engine"
+    shutil.copytree(engine, copy)
+    install_drafter(copy, ckpt, precisions=("fp32",), progress=lambda s: None, markov_dtype="float32")
+    m32 = read_manifest(copy)
+    full = np.load(copy / m32.drafter.markov)
+    assert full.dtype == np.float32 and np.array_equal(full.astype(np.float16), half)
+    d32, d16 = DSparkDrafter(copy, m32, "fp32"), DSparkDrafter(engine, m, "fp32")
+    assert d32.w1.dtype == np.float32 and d16.w1.dtype == np.float16
+    assert np.array_equal(d32.w1.astype(np.float16), d16.w1)
+    said: list[str] = []
+    big = {"markov_in": np.array([[1.0, -7e4]], np.float32), "markov_out": np.zeros((1, 1), np.float32)}
+    assert _markov_dtype(big, "float16", said.append) == "float32" and "FP16's range" in said[0]
+    assert _markov_dtype({**big, "markov_in": big["markov_in"] / 10}, "float16", said.append) == "float16"
+    assert _markov_dtype(big, "float32", said.append) == "float32"
+
+
 def test_a_shared_head_on_a_device_provider_warns(tied, monkeypatch, caplog):
     """On a GPU provider the host table would be copied to the device every round: said at load."""
     import dspark_edge.backends.ort as ort_backend

@@ -62,7 +62,8 @@ def sequential_step(u: np.ndarray, h: np.ndarray, anchor: int, w1: np.ndarray, w
     U_j + B_j over ``candidates`` (draft-vocabulary indices; None: all Vd) and returns an index
     into them. With ``top_k``, the Markov bias is added to the ``top_k`` largest base logits of
     each slot only (r × top_k work instead of r × Vd): drafts outside them are never proposed,
-    which costs acceptance, never exactness. ``conf_w`` None: no confidence head, z_j is
+    which costs acceptance, never exactness. ``w1`` and ``w2`` may be FP16 (``markov.npy``):
+    the rows a slot reads are widened to FP32; without ``top_k`` ``w2`` must be FP32. ``conf_w`` None: no confidence head, z_j is
     ``max_probability_logit`` of slot j's logits. Returns (drafts [k], raw confidence logits
     z [k]); z_j is computed from x_{j-1} only, before draft j is chosen.
 
@@ -76,9 +77,9 @@ def sequential_step(u: np.ndarray, h: np.ndarray, anchor: int, w1: np.ndarray, w
     narrow = top_k is not None and top_k < u.shape[1]
     prev = anchor
     for j in range(k):
-        row = anchor_row.astype(np.float32) if j == 0 and anchor_row is not None else w1[prev]
+        row = (anchor_row if j == 0 and anchor_row is not None else w1[prev]).astype(np.float32)
         cand = np.argpartition(u[j], -top_k)[-top_k:] if narrow else None
-        logits = (u[j, cand] + np.einsum("r,rv->v", row, w2[:, cand]) if narrow
+        logits = (u[j, cand] + np.einsum("r,rv->v", row, w2[:, cand].astype(np.float32)) if narrow
                   else u[j] + np.einsum("r,rv->v", row, w2))
         if zh is None:
             z[j] = max_probability_logit(logits)
@@ -179,10 +180,10 @@ class DSparkDrafter(BaseDrafter):
         self.begin(())
 
     def _markov(self, engine_dir: Path, info, tables, top_k) -> tuple[np.ndarray, np.ndarray]:
-        """(W1 [Vd + 1, r], W2 [r, Vd]). From ``markov.npy`` (memory-mapped): W1's rows read in
-        place, and W2 a view of W2ᵀ's rows with a Markov top-k (a round reads its candidates'
-        rows only), or a contiguous copy when every round reads all of it (the faster product
-        for a draft vocabulary small enough to bias whole)."""
+        """(W1 [Vd + 1, r], W2 [r, Vd]). From ``markov.npy`` (memory-mapped, FP16 or FP32): W1's
+        rows read in place, and W2 a view of W2ᵀ's rows with a Markov top-k (a round reads its
+        candidates' rows only), or a contiguous FP32 copy when every round reads all of it (the
+        faster product for a draft vocabulary small enough to bias whole)."""
         if info.markov is None:
             return tables["markov_in"].astype(np.float32), tables["markov_out"].astype(np.float32)
         vd, r = self.vocab_ids.size, info.markov_rank
@@ -191,11 +192,11 @@ class DSparkDrafter(BaseDrafter):
             both = map_npy(path)
         except (ValueError, OSError) as exc:
             raise EngineError(f"{path} is not a readable .npy table ({exc}); re-install the drafter") from None
-        if both.shape != (vd + 1, 2 * r) or both.dtype != np.float32:
-            raise EngineError(f"{path} holds a {both.dtype} array of shape {both.shape}, not the float32 "
-                              f"[{vd + 1}, {2 * r}] Markov tables of this drafter; re-install the drafter")
+        if both.shape != (vd + 1, 2 * r) or both.dtype not in (np.float16, np.float32):
+            raise EngineError(f"{path} holds a {both.dtype} array of shape {both.shape}, not the float16 or "
+                              f"float32 [{vd + 1}, {2 * r}] Markov tables of this drafter; re-install the drafter")
         w2 = both[:vd, r:].T
-        return both[:, :r], (w2 if top_k is not None else np.ascontiguousarray(w2))
+        return both[:, :r], (w2 if top_k is not None else np.ascontiguousarray(w2, dtype=np.float32))
 
     @property
     def max_drafts(self) -> int:

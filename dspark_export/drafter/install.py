@@ -96,6 +96,20 @@ def _validate(model, graph: Path, cfg, ids: list[int], feats: np.ndarray, head_t
     return {"max_abs_logit_diff": worst_l, "top1_agreement": float(np.mean(top1)), "rounds": len(cuts)}
 
 
+MARKOV_DTYPES = ("float16", "float32")
+FP16_MAX = float(np.finfo(np.float16).max)
+
+
+def _markov_dtype(tab: dict, wanted: str, progress) -> str:
+    """``wanted``, unless FP16 is wanted and a Markov weight lies outside its range."""
+    if wanted == "float16":
+        big = max((float(np.abs(tab[k]).max(initial=0.0)) for k in ("markov_in", "markov_out")), default=0.0)
+        if not big < FP16_MAX:
+            progress(f"      the Markov tables hold |w| = {big:.3g}, beyond FP16's range: stored in FP32")
+            return "float32"
+    return wanted
+
+
 def _deepspec_rounds(reference, model, tab: dict, ids: list[int], feats: np.ndarray) -> dict:
     """The converted model's full-block rounds (PyTorch, this project's forward and the
     runtime's sequential step over the installed ``tab``les) against the DeepSpec reference over
@@ -179,7 +193,7 @@ def _equal(weights, table: np.ndarray | None) -> bool:
 
 def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] | None = None,
                     precisions: tuple[str, ...] = PRECISIONS, source: str = "default", progress=print,
-                    share_head: bool = True) -> Path:
+                    share_head: bool = True, markov_dtype: str = "float16") -> Path:
     """``weights``: a drafter folder from ``train-drafter``, or a DeepSpec checkpoint folder
     (``deepspec.py``). ``blocks`` (verify widths = drafts + 1): None lists 4 and 8 for a drafter
     trained here, and every verify width of the target from 2 to the checkpoint's block size + 1
@@ -189,11 +203,18 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
     time instead of holding its own copy (the INT8 and FP16 graphs keep their own, quantized or
     halved); False keeps a copy in every graph. A drafter whose input embeddings are that table
     (any drafter of such a target) reads its anchors' rows there too, exact in FP32, and no
-    ``embedding.npy`` is written."""
+    ``embedding.npy`` is written. ``markov_dtype``: how ``markov.npy`` stores the Markov tables,
+    "float16" (half the memory; rows are widened to FP32 as a round reads them) or "float32".
+    Half precision changes drafts only where a slot's two best logits lie within its rounding
+    (a DeepSpec checkpoint's bfloat16 weights are coarser still), which costs acceptance, never
+    exactness; the install report counts the validation rounds whose drafts it changed. Tables
+    with a value outside FP16's range are kept in FP32."""
     from . import deepspec
     from .onnx_export import convert_fp16, export_onnx, quantize_int8, tables
 
     manifest = read_manifest(target_engine)
+    if markov_dtype not in MARKOV_DTYPES:
+        raise ExportError(f"the Markov tables' dtype must be one of {list(MARKOV_DTYPES)}, got {markov_dtype!r}")
     bad = [p for p in precisions if p not in PRECISIONS]
     if bad or not precisions:
         raise ExportError(f"drafter precisions must be among {list(PRECISIONS)}, got {list(precisions)}")
@@ -244,6 +265,12 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
             rep = report["deepspec"]
             if rep["drafts_identical"] < rep["rounds"] or rep["max_abs_confidence_logit_diff"] > 1e-3:
                 raise ExportError(f"the converted drafter differs from the DeepSpec forward ({rep}); not installing it")
+        markov_dtype = _markov_dtype(tab, markov_dtype, progress)
+        if reference is not None and markov_dtype == "float16":
+            half = {k: (v.astype(np.float16).astype(np.float32) if k in ("markov_in", "markov_out") else v)
+                    for k, v in tab.items()}
+            report["deepspec"]["drafts_identical_fp16_markov"] = _deepspec_rounds(
+                reference, model, half, ids, feats)["drafts_identical"]
         table_entry, target_rows = _target_table(target_engine, manifest)
         table = target_rows if share_head and "fp32" in precisions and _equal(model.head, target_rows) else None
         embedding = table_entry.file if _equal(model.embed, target_rows) else rel("embedding.npy")
@@ -271,7 +298,7 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
             shutil.rmtree(stage / "fp32")
         w1, w2 = tab.pop("markov_in"), tab.pop("markov_out")  # [Vd + 1, r], [r, Vd]
         np.save(stage / "markov.npy", np.concatenate([w1, np.concatenate([w2.T, np.zeros_like(w1[:1])])], axis=1)
-                .astype(np.float32))
+                .astype(markov_dtype))
         np.savez(stage / "tables.npz", **tab)
         if embedding == rel("embedding.npy"):
             np.save(stage / "embedding.npy", model.embed.numpy().astype(np.float16))
@@ -283,7 +310,9 @@ def install_drafter(target_engine: Path, weights: Path, blocks: tuple[int, ...] 
             f"{p} max|Δlogit| {r['max_abs_logit_diff']:.2e} top-1 {r['top1_agreement']:.0%}"
             for p, r in report.items() if p != "deepspec")
             + ("" if reference is None else f"; DeepSpec forward: drafts identical in "
-               f"{report['deepspec']['drafts_identical']}/{report['deepspec']['rounds']} rounds"))
+               f"{report['deepspec']['drafts_identical']}/{report['deepspec']['rounds']} rounds"
+               + ("" if "drafts_identical_fp16_markov" not in report["deepspec"] else
+                  f" ({report['deepspec']['drafts_identical_fp16_markov']} with the FP16 Markov tables)")))
         if table is not None:
             progress(f"      the FP32 graph reads its LM head from the target's embedding table "
                      f"({table.nbytes / 2**20:.0f} MiB not held twice)")
