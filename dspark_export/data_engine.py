@@ -264,6 +264,64 @@ def user_turn_prefix(tokenizer) -> list[int]:
     return tokenizer.encode(text[:text.index(mark)])
 
 
+def _agrees(record: dict, rebuilt: dict) -> bool:
+    return rebuilt["kind"] == "unrecoverable" or (
+        record.get("kind") == rebuilt["kind"] and bool(record.get("messages"))
+        and record["messages"][-1].get("content") == rebuilt["messages"][-1]["content"])
+
+
+def _reconcile(prompts_file: Path, records: list[dict], shards: list[Path], tokenizer, progress) -> list[dict]:
+    """The prompt records, checked against what the shards answered: a record whose kind or user
+    message differs from its shard's prompt tokens, or that is missing (a prompts file restored
+    from an older copy while a run appended to it), is rebuilt from the shard (``recover_records``)
+    and the file rewritten atomically; records past the answered ones are kept."""
+    rebuilt = recover_records(shards, 0, tokenizer)
+    bad = [i for i, r in enumerate(rebuilt) if i >= len(records) or not _agrees(records[i], r)]
+    if not bad:
+        return records
+    fixed = [rebuilt[i] if i in set(bad) else r for i, r in enumerate(records[:len(rebuilt)])]
+    fixed += rebuilt[len(fixed):] + records[len(rebuilt):]
+    tmp = prompts_file.with_name(prompts_file.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in fixed), encoding="utf-8")
+    os.replace(tmp, prompts_file)
+    progress(f"[data] {prompts_file}: {len(bad)} of the {len(rebuilt)} answered prompts' records were missing or "
+             "did not match their shards; rebuilt from the shards' prompt tokens (marked \"recovered\")")
+    return fixed
+
+
+def recover_records(shards: list[Path], start: int, tokenizer) -> list[dict]:
+    """Prompt records for the prompts ``start`` onward that ``shards`` answered, rebuilt from the
+    shards' prompt tokens: the kind, and the last user message cut out of the decoded prompt
+    after the chat template's user-turn opening (a system message before it is not kept), so
+    the duplicate filter knows a self-written message again. A shard that skipped prompts (too
+    long) cannot say which of its rows is which prompt: its records from ``start`` on keep their
+    place with kind "unrecoverable" and no messages."""
+    mark = "\x00dspark-user-message\x00"
+    plain, _, tail = tokenizer.render_chat([{"role": "user", "content": mark}]).partition(mark)
+    with_system = tokenizer.render_chat([{"role": "system", "content": "\x01"}, {"role": "user", "content": mark}])
+    other = with_system[:with_system.index(mark)] if mark in with_system else plain
+    opening = os.path.commonprefix([plain[::-1], other[::-1]])[::-1]  # the user turn's own opening
+    out: list[dict] = []
+    first = 0  # index of the shard's first prompt
+    for path in shards:
+        with np.load(path) as f:
+            asked, offsets, lens, kinds = int(f["asked"]), f["offsets"], f["prompt_lens"], f["kinds"]
+            for i in range(max(start, first), first + asked):
+                if len(lens) != asked:
+                    out.append({"kind": "unrecoverable", "recovered": path.name})
+                    continue
+                row = i - first
+                text = tokenizer.decode(f["tokens"][offsets[row]:offsets[row] + lens[row]].tolist(),
+                                        skip_special_tokens=False)
+                at = text.rfind(opening) + len(opening) if opening and opening in text else 0
+                end = len(text) - len(tail) if tail and text.endswith(tail) else len(text)
+                out.append({"kind": KINDS[int(kinds[row])],
+                            "messages": [{"role": "user", "content": text[at:max(at, end)]}],
+                            "recovered": path.name})
+        first += asked
+    return out
+
+
 # -- the work folder -----------------------------------------------------------------------------
 
 def _shard(work: Path, i: int) -> Path:
@@ -362,6 +420,7 @@ def run(opts: DataOptions, progress: Progress = print) -> dict:
     (opts.work / "answers").mkdir(exist_ok=True)
     shards = written(opts.work)
     done = sum(_asked(p) for p in shards)
+    records = _reconcile(prompts_file, records, shards, tokenizer, progress)
     progress(f"[data] {engine}: {done} of {opts.answers} prompts answered in {opts.work}"
              + (f"; {len(records)} prompts recorded" if records else ""))
     stats = {"answered_before": done, "answer_tokens": 0, "answer_s": 0.0, "magpie_kept": 0, "magpie_drawn": 0,

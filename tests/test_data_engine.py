@@ -82,6 +82,34 @@ def test_run_resumes_and_packs(tiny_engine, tmp_path):
     assert answer == _runtime_answers(tiny_engine, [records[5]["messages"]], 8)[0]
 
 
+def test_a_prompts_file_that_lost_or_changed_records_is_rebuilt_from_the_shards(tiny_engine, tmp_path):
+    """A prompts file restored from an older copy while a run appended to it (lines missing, a
+    line that is not the prompt its shard answered) is reconciled with the shards at the next
+    start: the answered prompts' records are rebuilt from their tokens, and the run goes on."""
+    work = tmp_path / "work"
+    base = dict(target_engine=tiny_engine, work=work, prompts=12, copy_prompts=0, max_new_tokens=6, batch=4,
+                per_shard=4)
+    run(DataOptions(answers=8, **base), progress=lambda s: None)
+    path = work / "prompts.jsonl"
+    good = read_prompts(path)
+    damaged = good[:5]
+    damaged[2] = {"kind": "magpie", "messages": [{"role": "user", "content": "not the prompt shard 0 answered"}]}
+    path.write_text("".join(json.dumps(r) + "\n" for r in damaged))
+    said: list[str] = []
+    run(DataOptions(answers=8, **base), progress=said.append)
+    assert any("4 of the 8 answered prompts' records" in s for s in said), said
+    fixed = read_prompts(path)
+    assert len(fixed) == 8
+    assert [(r["kind"], r["messages"][-1]["content"]) for r in fixed] == [
+        (r["kind"], r["messages"][-1]["content"]) for r in good]
+    assert [i for i, r in enumerate(fixed) if "recovered" in r] == [2, 5, 6, 7]
+    run(DataOptions(answers=12, **base), progress=lambda s: None)  # goes on after them
+    assert len(written(work)) == 3 and len(read_prompts(path)) == 12
+    said.clear()
+    run(DataOptions(answers=12, **base), progress=said.append)
+    assert not any("rebuilt" in s for s in said)
+
+
 def test_work_folder_of_other_options_is_refused(tiny_engine, tmp_path):
     work = tmp_path / "work"
     run(DataOptions(target_engine=tiny_engine, work=work, answers=2, prompts=2, copy_prompts=0, max_new_tokens=4),
