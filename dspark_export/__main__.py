@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="train on every answer of this answers file (`python -m export data --output`), in its "
                          "order, generating none; --prompts and --copy-prompts do not apply (default: answer the "
                          "project's prompts)")
+    tr.add_argument("--data-from", type=int, default=0, metavar="N",
+                    help="with --data and --init-from: train on the file's answers from index N on (the answers "
+                         "earlier runs trained on are skipped, their features never computed); the held-out "
+                         "answers are validated wherever they sit (default: 0, every answer)")
     tr.add_argument("--layers", type=int, default=2, help="backbone layers (default: %(default)s)")
     tr.add_argument("--slots", type=int, default=7, help="drafts per block (default: %(default)s)")
     tr.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default: %(default)s)")
@@ -276,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             train_drafter(TrainDrafterOptions(
                 target_engine=args.target, output=args.output, work=args.work, source=args.source,
                 prompts=args.prompts, max_new_tokens=args.max_new_tokens, text_tokens=args.text_tokens,
-                copy_prompts=args.copy_prompts, answers=args.answers, data=args.data,
+                copy_prompts=args.copy_prompts, answers=args.answers, data=args.data, data_from=args.data_from,
                 layers=args.layers, slots=args.slots,
                 draft_vocab=args.draft_vocab, markov_rank=args.markov_rank, steps=args.steps, lr=args.lr,
                 mask_token_id=args.mask_token_id, bf16=args.bf16, init_from=args.init_from),

@@ -102,6 +102,34 @@ def test_training_on_recorded_answers_and_a_campaign_curve(tiny_engine, tiny_hf,
     assert curve3[-1]["steps"] == 9 and curve3[-1]["run_step"] == 5
 
 
+def test_a_run_on_the_new_answers_only_keeps_the_held_out_set(tiny_engine, tiny_hf, recorded, tmp_path):
+    """--data-from N: features for answers N… and the held-out ones only; the held-out set is the
+    one a run over every answer validates on."""
+    from dspark_export.drafter.data import count_sequences
+    from dspark_export.drafter.train import HELD_OUT
+
+    small, large = recorded
+    first, _ = _train(tiny_engine, tiny_hf, small, tmp_path / "w1", tmp_path / "d1")
+    full, _ = _train(tiny_engine, tiny_hf, large, tmp_path / "wf", tmp_path / "df", steps=2, init_from=first)
+    new, msgs = _train(tiny_engine, tiny_hf, large, tmp_path / "wn", tmp_path / "dn", steps=2, init_from=first,
+                       data_from=10)
+    held = json.loads((tmp_path / "wf" / HELD_OUT).read_text())["held_out"]
+    assert json.loads((tmp_path / "wn" / HELD_OUT).read_text())["held_out"] == held
+    chosen = sorted(set(held) | set(range(10, 14)))
+    assert any(f"answers 10–13 and the {len(held)} held-out" in m for m in msgs), msgs
+    assert count_sequences(sorted((tmp_path / "wn" / "answers").glob("shard-*.npz"))) == len(chosen)
+    last = _curve(new)[-1]
+    assert last["held_out_answers"] == len(held) == _curve(full)[-1]["held_out_answers"]
+    assert last["train_answers"] == len([i for i in range(10, 14) if i not in held])
+    meta = json.loads((new / "drafter.json").read_text())
+    assert "from index 10 on" in meta["training"]["data"] or "from index 10 on" in json.dumps(meta)
+    for bad in (14, -1):
+        with pytest.raises(ExportError, match="--data-from"):
+            _train(tiny_engine, tiny_hf, large, tmp_path / "wb", tmp_path / "db", init_from=first, data_from=bad)
+    with pytest.raises(ExportError, match="without --data"):
+        _train(tiny_engine, tiny_hf, None, tmp_path / "wb", tmp_path / "db", data_from=3)
+
+
 def test_data_and_answers_together_are_refused(tiny_engine, tmp_path):
     from dspark_export.drafter.build import TrainDrafterOptions
 

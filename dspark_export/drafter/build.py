@@ -38,6 +38,7 @@ class TrainDrafterOptions:
     copy_prompts: int = 256
     answers: Path | None = None  # recorded answers (``python -m export answers``) to reuse
     data: Path | None = None  # an answers file to train on whole (the data engine's); nothing is generated
+    data_from: int = 0  # with ``data``: train on its answers from this index on (earlier runs trained on the rest)
     layers: int = 2
     slots: int = 7
     draft_vocab: int = 8192
@@ -59,6 +60,9 @@ class TrainDrafterOptions:
         for name in ("text_tokens", "copy_prompts"):
             if getattr(self, name) < 0:
                 raise ExportError(f"--{name.replace('_', '-')} must be 0 (none) or more, got {getattr(self, name)}")
+        if self.data_from < 0 or (self.data_from and self.data is None):
+            raise ExportError(f"--data-from picks the answers of a --data file to train on; got {self.data_from}"
+                              + ("" if self.data is not None else " without --data"))
         if self.data is not None and self.answers is not None:
             raise ExportError("--data trains on every answer of its file and generates none; --answers (answers "
                               "to reuse while generating the rest) does not apply with it: pass one of them")
@@ -251,14 +255,26 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     decoder = DecoderModel(manifest, opts.target_engine, "fp32")
     tok = Tokenizer.from_engine(opts.target_engine, manifest)
     docs = package_documents() if (opts.text_tokens or (opts.copy_prompts and recorded is None)) else []
+    chosen = None  # with --data-from: the recorded answers trained or validated on, by index in the file
     if recorded is not None:
-        progress(f"[2/4] the engine's features for the {len(recorded)} answers in {opts.data} (resumable)")
-        shards = answer_feature_shards(decoder, [recorded.pair(i) for i in range(len(recorded))], opts.work / "answers",
+        if opts.data_from >= len(recorded):
+            raise ExportError(f"--data-from {opts.data_from}: {opts.data} holds {len(recorded)} answers; pass an "
+                              "index below that (the first answer not trained on yet)")
+        if opts.data_from:
+            held = recorded_split(None, opts.work, len(recorded), seed=opts.seed)[1]
+            chosen = np.union1d(held, np.arange(opts.data_from, len(recorded)))
+            progress(f"[2/4] the engine's features for answers {opts.data_from}–{len(recorded) - 1} and the "
+                     f"{len(held)} held-out answers of {opts.data} ({len(chosen)} of {len(recorded)}; resumable)")
+        else:
+            progress(f"[2/4] the engine's features for the {len(recorded)} answers in {opts.data} (resumable)")
+        picked = range(len(recorded)) if chosen is None else chosen.tolist()
+        shards = answer_feature_shards(decoder, [recorded.pair(i) for i in picked], opts.work / "answers",
                                        progress=lambda s: progress("      " + s))
         counts = ", ".join(f"{v} {k}" for k, v in recorded.meta.get("answers", {}).items())
         data_note = (f"the target's greedy answers recorded in {opts.data.name} ({counts}; made by "
-                     f"{recorded.meta.get('made_by', 'python -m export answers')}) and its FP32 engine's "
-                     "teacher-forced features")
+                     f"{recorded.meta.get('made_by', 'python -m export answers')}"
+                     + ("" if chosen is None else f"; trained on those from index {opts.data_from} on")
+                     + ") and its FP32 engine's teacher-forced features")
     else:
         prompts = training_prompts(opts.seed)
         if opts.prompts > len(prompts):
@@ -301,7 +317,12 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
         shards += build_text_shards(decoder, windows, opts.work / "text", progress=lambda s: progress("      " + s))
     del decoder
     data = load_shards(shards)
-    train_ids, val_ids = recorded_split(data, opts.work, answers, seed=opts.seed)
+    if chosen is None:
+        train_ids, val_ids = recorded_split(data, opts.work, answers, seed=opts.seed)
+    else:  # positions in the loaded shards: the chosen answers in file order, then the text
+        held = np.isin(chosen, recorded_split(None, opts.work, len(recorded), seed=opts.seed)[1])
+        train_ids = np.concatenate([np.flatnonzero(~held), np.arange(answers, len(data))])
+        val_ids = np.flatnonzero(held)
     vocab_path = opts.work / "vocab_ids.npy"
     init = read_init(opts.init_from, opts.target_engine, manifest) if opts.init_from is not None else None
     prior_curve = start_curve(opts.work, opts.init_from) if opts.init_from is not None else None

@@ -64,7 +64,7 @@ def choose_draft_vocab(data: Sequences, size: int, vocab_size: int) -> np.ndarra
     return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int64)
 
 
-def split(data: Sequences, held_out: float = 0.06, seed: int = 0, answers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def split(data: Sequences | None, held_out: float = 0.06, seed: int = 0, answers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(train ids, held-out ids). Sequence i is held out by the i-th draw of one seeded stream,
     so adding data (more prompts, more shards) never moves a held-out sequence into training:
     a resumed or extended run is still validated on sequences it never trained on. Only the
@@ -75,19 +75,19 @@ def split(data: Sequences, held_out: float = 0.06, seed: int = 0, answers: int |
     val = u < held_out
     if not val.any():
         val[int(np.argmin(u))] = True
-    return np.concatenate([np.flatnonzero(~val), np.arange(n, len(data))]), np.flatnonzero(val)
+    return np.concatenate([np.flatnonzero(~val), np.arange(n, n if data is None else len(data))]), np.flatnonzero(val)
 
 
 HELD_OUT = "held_out.json"
 
 
-def recorded_split(data: Sequences, work: Path, answers: int, held_out: float = 0.06,
+def recorded_split(data: Sequences | None, work: Path, answers: int, held_out: float = 0.06,
                    seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``split`` that keeps the held-out set a run started with: ``work/held_out.json`` records
     the held-out answers and how many answers existed; answers added later are held out by the
     stable draw, earlier ones exactly as recorded. A resumed or extended run (more prompts, more
     text) is thus always validated on answers its checkpoint never trained on, whatever rule
-    chose them. Written on first use."""
+    chose them. Written on first use. ``data`` may be None: only ``answers`` (the count) is used."""
     _, fresh = split(data, held_out, seed, answers)
     path = work / HELD_OUT
     if not path.is_file():
@@ -100,7 +100,8 @@ def recorded_split(data: Sequences, work: Path, answers: int, held_out: float = 
     val = np.zeros(answers, dtype=bool)
     val[[i for i in rec["held_out"] if i < known]] = True
     val[fresh[fresh >= known]] = True
-    return np.concatenate([np.flatnonzero(~val), np.arange(answers, len(data))]), np.flatnonzero(val)
+    text = np.arange(answers, answers if data is None else len(data))
+    return np.concatenate([np.flatnonzero(~val), text]), np.flatnonzero(val)
 
 
 def sampling_weights(train_ids: np.ndarray, answers: int, text_share: float) -> np.ndarray | None:
