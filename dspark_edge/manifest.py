@@ -184,7 +184,8 @@ class DrafterInfo:
     # embedding table (a tied target; checked on install), and the graphs that take a
     # ``head_table`` input read it from there instead of holding a copy.
     head: Literal["own", "target_table"] = "own"
-    # The Markov head's tables as one .npy [Vd + 1, 2r] float32: row v holds W1[v] then W2ᵀ[v]
+    # The Markov head's tables as one .npy [Vd + 1, 2r] float16 (float32 when installed with
+    # --markov-dtype float32, or before FP16 became the default): row v holds W1[v] then W2ᵀ[v]
     # (row Vd: the out-of-vocabulary anchor's W1 row, zeros after it). Memory-mapped, so a
     # round pages in the rows it reads. None: markov_in / markov_out in ``tables``.
     markov: str | None = None
