@@ -22,7 +22,8 @@ The work folder:
 - ``engine.json``: what the answers are answers of (model, tokenizer, graph, cap); a folder made
   for another engine or cap is refused, never mixed in;
 - ``prompts.jsonl``: every prompt in the order answered (kind, messages, provenance), appended a
-  batch at a time; a line cut by a kill is dropped on the next start;
+  batch at a time; a line cut by a kill is dropped on the next start, and records that do not
+  match the prompts the shards answered (or are missing) are rebuilt from the shards;
 - ``answers/shard-NNNNN.npz``: the token ids of ``per_shard`` consecutive prompts and their
   answers, renamed into place when complete, so a run resumes at the first missing shard.
 
@@ -279,7 +280,8 @@ def _reconcile(prompts_file: Path, records: list[dict], shards: list[Path], toke
     bad = [i for i, r in enumerate(rebuilt) if i >= len(records) or not _agrees(records[i], r)]
     if not bad:
         return records
-    fixed = [rebuilt[i] if i in set(bad) else r for i, r in enumerate(records[:len(rebuilt)])]
+    wrong = set(bad)
+    fixed = [rebuilt[i] if i in wrong else r for i, r in enumerate(records[:len(rebuilt)])]
     fixed += rebuilt[len(fixed):] + records[len(rebuilt):]
     tmp = prompts_file.with_name(prompts_file.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in fixed), encoding="utf-8")
