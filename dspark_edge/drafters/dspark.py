@@ -91,7 +91,7 @@ def sequential_step(u: np.ndarray, h: np.ndarray, anchor: int, w1: np.ndarray, w
 
 
 MARKOV_TOP_K = 256
-FULL_MARKOV_MAX = 16384
+FULL_MARKOV_MAX = 1024  # a draft vocabulary this small is biased whole (the top-k would hold a quarter of it)
 
 
 class DSparkDrafter(BaseDrafter):
@@ -104,8 +104,7 @@ class DSparkDrafter(BaseDrafter):
                  markov_top_k: int | None | str = "auto") -> None:
         """``markov_top_k``: add the Markov bias to this many of each slot's largest base logits
         (``sequential_step``); None: to all of them; "auto": ``MARKOV_TOP_K`` when the draft
-        vocabulary holds more than ``FULL_MARKOV_MAX`` tokens (an imported full-vocabulary
-        drafter), else all."""
+        vocabulary holds more than ``FULL_MARKOV_MAX`` tokens, else all."""
         from ..backends.ort import open_session
 
         engine_dir = Path(engine_dir)
