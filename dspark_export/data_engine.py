@@ -276,7 +276,7 @@ def _reconcile(prompts_file: Path, records: list[dict], shards: list[Path], toke
     message differs from its shard's prompt tokens, or that is missing (a prompts file restored
     from an older copy while a run appended to it), is rebuilt from the shard (``recover_records``)
     and the file rewritten atomically; records past the answered ones are kept."""
-    rebuilt = recover_records(shards, 0, tokenizer)
+    rebuilt = recover_records(shards, tokenizer)
     bad = [i for i, r in enumerate(rebuilt) if i >= len(records) or not _agrees(records[i], r)]
     if not bad:
         return records
@@ -291,36 +291,32 @@ def _reconcile(prompts_file: Path, records: list[dict], shards: list[Path], toke
     return fixed
 
 
-def recover_records(shards: list[Path], start: int, tokenizer) -> list[dict]:
-    """Prompt records for the prompts ``start`` onward that ``shards`` answered, rebuilt from the
+def recover_records(shards: list[Path], tokenizer) -> list[dict]:
+    """Prompt records for the prompts ``shards`` answered, rebuilt from the
     shards' prompt tokens: the kind, and the last user message cut out of the decoded prompt
     after the chat template's user-turn opening (a system message before it is not kept), so
     the duplicate filter knows a self-written message again. A shard that skipped prompts (too
-    long) cannot say which of its rows is which prompt: its records from ``start`` on keep their
-    place with kind "unrecoverable" and no messages."""
+    long) cannot say which of its rows is which prompt: its records keep their place with kind
+    "unrecoverable" and no messages."""
     mark = "\x00dspark-user-message\x00"
     plain, _, tail = tokenizer.render_chat([{"role": "user", "content": mark}]).partition(mark)
     with_system = tokenizer.render_chat([{"role": "system", "content": "\x01"}, {"role": "user", "content": mark}])
     other = with_system[:with_system.index(mark)] if mark in with_system else plain
     opening = os.path.commonprefix([plain[::-1], other[::-1]])[::-1]  # the user turn's own opening
     out: list[dict] = []
-    first = 0  # index of the shard's first prompt
     for path in shards:
-        with np.load(path) as f:
-            asked, offsets, lens, kinds = int(f["asked"]), f["offsets"], f["prompt_lens"], f["kinds"]
-            for i in range(max(start, first), first + asked):
-                if len(lens) != asked:
-                    out.append({"kind": "unrecoverable", "recovered": path.name})
-                    continue
-                row = i - first
-                text = tokenizer.decode(f["tokens"][offsets[row]:offsets[row] + lens[row]].tolist(),
-                                        skip_special_tokens=False)
-                at = text.rfind(opening) + len(opening) if opening and opening in text else 0
-                end = len(text) - len(tail) if tail and text.endswith(tail) else len(text)
-                out.append({"kind": KINDS[int(kinds[row])],
-                            "messages": [{"role": "user", "content": text[at:max(at, end)]}],
-                            "recovered": path.name})
-        first += asked
+        with np.load(path) as f:  # each member read once (an NpzFile reads it again at every access)
+            asked, tokens, offsets, lens, kinds = (int(f["asked"]), f["tokens"], f["offsets"], f["prompt_lens"],
+                                                   f["kinds"])
+        if len(lens) != asked:
+            out += [{"kind": "unrecoverable", "recovered": path.name} for _ in range(asked)]
+            continue
+        for row in range(asked):
+            text = tokenizer.decode(tokens[offsets[row]:offsets[row] + lens[row]].tolist(), skip_special_tokens=False)
+            at = text.rfind(opening) + len(opening) if opening and opening in text else 0
+            end = len(text) - len(tail) if tail and text.endswith(tail) else len(text)
+            out.append({"kind": KINDS[int(kinds[row])], "messages": [{"role": "user", "content": text[at:max(at, end)]}],
+                        "recovered": path.name})
     return out
 
 

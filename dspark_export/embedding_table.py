@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_edge.errors import ExportError
 from dspark_edge.manifest import EmbeddingTable
 
 log = logging.getLogger(__name__)
@@ -107,11 +106,3 @@ def separate_embedding_table(graph_path: Path, graph_rel: str, vocab_size: int, 
     say(f"      {graph_rel}: the input embedding table is read from {TABLE_FILE} "
         f"({table.nbytes / 2**20:.0f} MiB; memory-mapped at run time and shared with a drafter whose LM head it is)")
     return EmbeddingTable(graph=graph_rel, initializer=name, file=f"{Path(graph_rel).parent.as_posix()}/{TABLE_FILE}")
-
-
-def check_table(path: Path, vocab_size: int, hidden_size: int) -> None:
-    """Refuse a table file that does not hold a [vocab, hidden] FP32 array."""
-    table = np.load(path, mmap_mode="r", allow_pickle=False)
-    if table.shape != (vocab_size, hidden_size) or table.dtype != np.float32:
-        raise ExportError(f"{path} holds {table.dtype} {table.shape}, not the float32 [{vocab_size}, {hidden_size}] "
-                          "embedding table")

@@ -77,9 +77,9 @@ def sequential_step(u: np.ndarray, h: np.ndarray, anchor: int, w1: np.ndarray, w
     narrow = top_k is not None and top_k < u.shape[1]
     prev = anchor
     for j in range(k):
-        row = (anchor_row if j == 0 and anchor_row is not None else w1[prev]).astype(np.float32)
+        row = (anchor_row if j == 0 and anchor_row is not None else w1[prev]).astype(np.float32, copy=False)
         cand = np.argpartition(u[j], -top_k)[-top_k:] if narrow else None
-        logits = (u[j, cand] + np.einsum("r,rv->v", row, w2[:, cand].astype(np.float32)) if narrow
+        logits = (u[j, cand] + np.einsum("r,rv->v", row, w2[:, cand].astype(np.float32, copy=False)) if narrow
                   else u[j] + np.einsum("r,rv->v", row, w2))
         if zh is None:
             z[j] = max_probability_logit(logits)
@@ -88,6 +88,15 @@ def sequential_step(u: np.ndarray, h: np.ndarray, anchor: int, w1: np.ndarray, w
         picked = choose(j, logits, cand)
         drafts[j] = prev = int(cand[picked]) if narrow else picked
     return drafts, z
+
+
+def _mapped(path: Path) -> np.ndarray:
+    """One of the drafter's own .npy tables, memory-mapped (``map_npy``); EngineError when it
+    is not a readable one."""
+    try:
+        return map_npy(path)
+    except (ValueError, OSError) as exc:
+        raise EngineError(f"{path} is not a readable .npy table ({exc}); re-install the drafter") from None
 
 
 MARKOV_TOP_K = 256
@@ -159,12 +168,9 @@ class DSparkDrafter(BaseDrafter):
         # an anchor outside the draft vocabulary reads its own row.
         self.anchor_rows = t.get("markov_anchor")
         target_rows = next((e for e in manifest.embedding_tables if e.file == info.embedding), None)
-        try:  # only read rows are paged in; the target's own table through its one mapping
-            self.embedding = (shared_table(engine_dir, manifest, target_rows) if target_rows is not None
-                              else map_npy(engine_path(engine_dir, info.embedding)))
-        except (ValueError, OSError) as exc:
-            raise EngineError(f"{engine_dir / info.embedding} is not a readable .npy table ({exc}); re-install "
-                              "the drafter") from None
+        # only read rows are paged in; the target's own table through its one mapping
+        self.embedding = (shared_table(engine_dir, manifest, target_rows) if target_rows is not None
+                          else _mapped(engine_path(engine_dir, info.embedding)))
         if self.embedding.shape != (manifest.model.vocab_size, manifest.model.hidden_size):
             raise EngineError(f"{engine_dir / info.embedding} holds shape {self.embedding.shape}, not the target's "
                               f"[{manifest.model.vocab_size}, {manifest.model.hidden_size}] embeddings; re-install the drafter")
@@ -187,10 +193,7 @@ class DSparkDrafter(BaseDrafter):
             return tables["markov_in"].astype(np.float32), tables["markov_out"].astype(np.float32)
         vd, r = self.vocab_ids.size, info.markov_rank
         path = engine_path(engine_dir, info.markov)
-        try:
-            both = map_npy(path)
-        except (ValueError, OSError) as exc:
-            raise EngineError(f"{path} is not a readable .npy table ({exc}); re-install the drafter") from None
+        both = _mapped(path)
         if both.shape != (vd + 1, 2 * r) or both.dtype not in (np.float16, np.float32):
             raise EngineError(f"{path} holds a {both.dtype} array of shape {both.shape}, not the float16 or "
                               f"float32 [{vd + 1}, {2 * r}] Markov tables of this drafter; re-install the drafter")

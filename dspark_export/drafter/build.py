@@ -255,7 +255,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     decoder = DecoderModel(manifest, opts.target_engine, "fp32")
     tok = Tokenizer.from_engine(opts.target_engine, manifest)
     docs = package_documents() if (opts.text_tokens or (opts.copy_prompts and recorded is None)) else []
-    chosen = None  # with --data-from: the recorded answers trained or validated on, by index in the file
+    chosen = held = None  # with --data-from: the answers trained or validated on, the held-out ones (file indices)
     if recorded is not None:
         if opts.data_from >= len(recorded):
             raise ExportError(f"--data-from {opts.data_from}: {opts.data} holds {len(recorded)} answers; pass an "
@@ -320,9 +320,9 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     if chosen is None:
         train_ids, val_ids = recorded_split(data, opts.work, answers, seed=opts.seed)
     else:  # positions in the loaded shards: the chosen answers in file order, then the text
-        held = np.isin(chosen, recorded_split(None, opts.work, len(recorded), seed=opts.seed)[1])
-        train_ids = np.concatenate([np.flatnonzero(~held), np.arange(answers, len(data))])
-        val_ids = np.flatnonzero(held)
+        is_held = np.isin(chosen, held)
+        train_ids = np.concatenate([np.flatnonzero(~is_held), np.arange(answers, len(data))])
+        val_ids = np.flatnonzero(is_held)
     vocab_path = opts.work / "vocab_ids.npy"
     init = read_init(opts.init_from, opts.target_engine, manifest) if opts.init_from is not None else None
     prior_curve = start_curve(opts.work, opts.init_from) if opts.init_from is not None else None

@@ -169,22 +169,18 @@ def _load_deepspec(target_engine: Path, weights: Path, manifest):
 def _target_table(target_engine: Path, manifest):
     """(manifest entry, mapped array) of the target's separately stored embedding table, or
     (None, None) when its graphs keep theirs inside."""
-    from dspark_edge.backends.tables import map_npy, target_table
-    from dspark_edge.manifest import engine_path, verify_files
+    from dspark_edge.backends.tables import shared_table, target_table
+    from dspark_edge.errors import EngineError
+    from dspark_edge.manifest import verify_files
 
     entry = target_table(target_engine, manifest)
     if entry is None:
         return None, None
     verify_files(manifest, target_engine, [entry.file])
     try:
-        table = map_npy(engine_path(target_engine, entry.file))
-    except (ValueError, OSError) as exc:
-        raise ExportError(f"{target_engine / entry.file} is not a readable embedding table ({exc}); re-export "
-                          "the target") from None
-    if table.shape != (manifest.model.vocab_size, manifest.model.hidden_size) or table.dtype != np.float32:
-        raise ExportError(f"{target_engine / entry.file} is not the target's float32 embedding table "
-                          f"(it holds {table.dtype} {table.shape}); re-export the target")
-    return entry, table
+        return entry, shared_table(target_engine, manifest, entry)
+    except EngineError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def _equal(weights, table: np.ndarray | None) -> bool:
