@@ -7,16 +7,25 @@ batched pass (each row at its own length), prefill chunks and wider speculative 
 at a time, bound to that slot's row. A generation joins at its first pass and leaves when it
 ends; the others go on meanwhile, so requests come and go at any round.
 
-Why width-1 batches only: onnxruntime's CPU GroupQueryAttention (the fused graph's attention)
-runs several new tokens after a cached context at batch size 1 only. A batched width-1 step
-costs little more than a single one (the weights are read once for every row), while a
-speculative pass of width k beside the batch costs a whole pass of its own. So a slot drafts
-only while it is the only active one (``draft_room``); with others active, every slot takes
-batched steps.
+Drafts of several requests in one pass: onnxruntime's CPU GroupQueryAttention (the fused
+graph's attention) runs several new tokens after a cached context at batch size 1 only, so a
+batch of rows cannot verify drafts. The runner opens a second session over the *slots graph*
+(``backends.slots``): the new tokens of every pending pass in one sequence through the matmuls,
+each request's part through an attention node of its own. With it, every slot drafts as it
+would alone and offers its drafts with their confidences (``offer``); when several passes meet,
+the runner chooses how many of each request's drafts the shared pass verifies: the paper's
+Algorithm 1 over (request, position) pairs, admitted by survival while the expected tokens per
+millisecond of the pass improve (``scheduler.choose_multi``), under a cost table T(tokens in the
+pass) learned from the passes run (``PassCosts``), then runs them all in one pass. A pass alone
+verifies what the slot's own scheduler chose, on the engine's own graph. Rounds whose passes are
+all one token run on the engine's graph as one batch of rows (cheaper than the slots graph for
+that case). Without the slots graph (another graph, onnx not installed, or ``verify_slots``
+off: it holds a second copy of the weights in memory), a slot drafts only while it is the only
+active one (``draft_room``); with others active, every slot takes batched width-1 steps.
 
 Guarantees: a slot's rows in a batched pass compute exactly what a pass of that slot alone
-computes (each row reads and writes only its own K/V; the tests compare the outputs), so a
-greedy answer is the one the request gets served alone. Rows of slots that are idle, or whose
+computes (each row reads and writes only its own K/V, with the same kernels; the tests compare
+the outputs bit for bit), so a greedy answer is the one the request gets served alone. Rows of slots that are idle, or whose
 pass this round is a separate one, are run as one-token dummies writing at their first
 uncommitted position, before the separate passes; that position is never committed without
 being written again. A gathering slot waits at most ``gather_s`` for the others: a slot busy
@@ -33,7 +42,8 @@ import numpy as np
 
 from .backends import ForwardOutput, KVCache
 from .decoder import PREFILL_CHUNK, prefill_in_chunks
-from .errors import BackendError, ConfigError
+from .errors import BackendError, ConfigError, DSparkError
+from .scheduler import choose_multi, monotone
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +56,53 @@ class SlotCache(KVCache):
         self.slot = slot
 
 
+class PassCosts:
+    """T(n): milliseconds of one slots-graph pass over n new tokens in all (dummies included).
+    Each n's value is a moving average of the passes run at n; an n not run yet is read off the
+    engine's width curve ``curve`` (width → ms of a pass alone: the device profile's or the
+    scheduler's), extended linearly past its widest width, times the ratio passes have shown
+    to that curve so far. Without a curve a pass costs n (drafts never pay until measured)."""
+
+    def __init__(self, curve: dict[int, float] | None = None, weight: float = 0.25) -> None:
+        self.curve = monotone(dict(curve)) if curve else {}
+        self.weight = weight
+        self.seen: dict[int, float] = {}
+        self.ratio = 1.0  # observed / curve, averaged over the passes run
+
+    def _seed(self, n: int) -> float:
+        if not self.curve:
+            return float(n)
+        ws = sorted(self.curve)
+        if n in self.curve:
+            return self.curve[n]
+        lo = max((w for w in ws if w < n), default=ws[0])
+        hi = min((w for w in ws if w > n), default=None)
+        if hi is None:  # past the widest width: the slope of the last two
+            a, b = (ws[-2], ws[-1]) if len(ws) > 1 else (ws[-1], ws[-1])
+            slope = (self.curve[b] - self.curve[a]) / (b - a) if b > a else 0.0
+            return self.curve[b] + slope * (n - b)
+        t = (n - lo) / (hi - lo)
+        return self.curve[lo] + t * (self.curve[hi] - self.curve[lo])
+
+    def __call__(self, n: int) -> float:
+        return self.seen.get(n, self._seed(n) * self.ratio)
+
+    def observe(self, n: int, ms: float) -> None:
+        if ms <= 0:
+            return
+        old = self.seen.get(n)
+        self.seen[n] = ms if old is None else old + self.weight * (ms - old)
+        if self.curve:
+            self.ratio += self.weight * (ms / self._seed(n) - self.ratio)
+
+
 class BatchRunner:
     """Gathers the target passes of the active slots and runs them (see the module docstring).
     ``model``: a ``DecoderModel`` on the onnxruntime backend with the fused graph's shared K/V
     buffer layout. Thread-safe: each slot is driven by one thread at a time."""
 
-    def __init__(self, model, slots: int, gather_s: float = 0.02) -> None:
+    def __init__(self, model, slots: int, gather_s: float = 0.02, verify_slots: bool = True,
+                 curve: dict[int, float] | None = None) -> None:
         if model.backend != "onnxruntime" or not hasattr(model.session, "new_rows"):
             raise ConfigError("batching several requests needs the onnxruntime backend and the fused graph "
                               "(its shared K/V buffer); serve with --parallel 1 on this engine")
@@ -65,11 +116,28 @@ class BatchRunner:
         except BackendError as exc:
             raise ConfigError(f"{exc}; serve with --parallel 1 on this engine") from None
         self.caches = [SlotCache(self.capacity, s) for s in range(slots)]
+        self.slots_pass = self._open_slots() if verify_slots and slots > 1 else None
+        self.costs = PassCosts(curve)
+        self.choices: dict[int, dict] = {}  # each offering slot's last joint choice, for its round's record
         self._cond = threading.Condition()
         self._active: set[int] = set()
         self._pending: dict[int, np.ndarray] = {}
         self._results: dict[int, ForwardOutput | BaseException] = {}
-        self.passes = {"batched": 0, "rows": 0, "single": 0}  # counts, for tests and metrics
+        self._offers: dict[int, tuple[np.ndarray, int]] = {}  # slot -> (confidences, width alone)
+        self.passes = {"batched": 0, "rows": 0, "single": 0, "slots": 0}  # counts, for tests and metrics
+
+    def _open_slots(self):
+        """The slots graph's session (None, with the reason logged, where it cannot be had)."""
+        from .backends.slots import SlotsDecoder
+
+        try:
+            return SlotsDecoder(self.session, self.slots)
+        except ImportError:
+            log.warning("the onnx package is not installed: requests batched together verify no drafts "
+                        "(install dspark-edge[serve])")
+        except DSparkError as exc:
+            log.warning("requests batched together verify no drafts: %s", exc)
+        return None
 
     # -- slots --------------------------------------------------------------------------------
     def join(self, slot: int) -> None:
@@ -86,11 +154,33 @@ class BatchRunner:
 
     def draft_room(self, slot: int) -> int | None:
         """How many drafts the slot may verify this round: None (no limit) while it is the only
-        active slot, 0 while others are active (their width-1 steps batch with its own)."""
+        active slot or drafts of several requests share a pass (the slots graph); otherwise 0
+        while others are active (their width-1 steps batch with its own)."""
+        if self.slots_pass is not None:
+            return None
         with self._cond:
             return None if self._active <= {slot} else 0
 
+    @property
+    def joint(self) -> bool:
+        """Whether slots offer their drafts for a joint choice (``offer``)."""
+        return self.slots_pass is not None
+
     # -- passes -------------------------------------------------------------------------------
+    def offer(self, cache: SlotCache, ids: np.ndarray, confidence: np.ndarray, alone: int) -> ForwardOutput:
+        """Run [anchor, drafts…] ``ids`` (``confidence``: the drafts', as the slot's scheduler sees
+        them) after the slot's committed positions, verifying a prefix: the first ``alone``
+        tokens when the pass is the slot's alone, the joint choice when it is shared. The
+        output has one row per token run; the choice is in ``choices[slot]``."""
+        slot = cache.slot
+        with self._cond:
+            self._offers[slot] = (np.asarray(confidence, dtype=np.float64)[:ids.shape[0] - 1], max(1, alone))
+        try:
+            return self.forward(cache, ids)
+        finally:
+            with self._cond:
+                self._offers.pop(slot, None)
+
     def forward(self, cache: SlotCache, ids: np.ndarray) -> ForwardOutput:
         """Run ``ids`` after the slot's committed positions, batched with the other active
         slots' passes of this round; commits nothing. The outputs are the caller's own."""
@@ -118,6 +208,10 @@ class BatchRunner:
         """Run every pending pass (called holding the lock; other slots wait meanwhile)."""
         jobs, self._pending = self._pending, {}
         try:
+            jobs = self._choose(jobs)
+            if self.slots_pass is not None and len(jobs) > 1 and any(ids.shape[0] > 1 for ids in jobs.values()):
+                self._slots(jobs)
+                return
             steps = {s: ids for s, ids in jobs.items() if ids.shape[0] == 1}
             if len(steps) > 1:
                 self._batched(steps)
@@ -129,6 +223,52 @@ class BatchRunner:
                     self._results[s] = self._single(s, ids)
         finally:
             self._cond.notify_all()
+
+    def _choose(self, jobs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Each pass trimmed to what this round verifies: an offering slot alone, its own
+        choice; several passes, Algorithm 1 over the offered (request, position) pairs, the
+        other passes' tokens and the dummies counted in every cost."""
+        offering = {s: self._offers[s] for s in jobs if s in self._offers}
+        if not offering:
+            return jobs
+        if len(jobs) == 1 or self.slots_pass is None:
+            for s, (_, alone) in offering.items():
+                jobs[s] = jobs[s][:alone]
+                self.choices[s] = {"requests": len(jobs), "offered": len(jobs[s]) - 1, "kept": alone - 1,
+                                   "reason": "alone: the slot's own choice"}
+            return jobs
+        order = sorted(offering)
+        fixed = sum(int(jobs[s].shape[0]) for s in jobs if s not in offering)
+        dummies = self.slots_pass.slots - len(jobs)
+        base = fixed + dummies
+        kept = choose_multi([offering[s][0] for s in order], lambda n: self.costs(base + n))
+        total = base + len(order) + sum(kept)
+        for s, k in zip(order, kept):
+            offered = len(offering[s][0])
+            jobs[s] = jobs[s][:1 + k]
+            self.choices[s] = {"requests": len(jobs), "offered": offered, "kept": k, "pass_tokens": total,
+                               "pass_ms_expected": round(self.costs(total), 3),
+                               "reason": "drafts admitted by survival while expected tokens per ms of the "
+                                         "shared pass improved"}
+        return jobs
+
+    def _slots(self, jobs: dict[int, np.ndarray]) -> None:
+        """One pass of the slots graph over every job (each on its slot's row)."""
+        order = sorted(jobs)
+        spec = [(s, self.caches[s].length, jobs[s]) for s in order]
+        n = sum(int(ids.shape[0]) for ids in jobs.values()) + self.slots_pass.slots - len(jobs)
+        t = time.perf_counter()
+        try:
+            outs = self.slots_pass.run(self._kv, spec)
+        except BackendError as exc:
+            for s in order:
+                self._results[s] = exc
+            return
+        self.costs.observe(n, (time.perf_counter() - t) * 1e3)
+        self.passes["slots"] += 1
+        self.passes["rows"] += len(order)
+        for s, (logits, hidden) in zip(order, outs):
+            self._results[s] = ForwardOutput(logits, hidden)
 
     def _run(self, first: int, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         return self.session.run_rows(self._kv, first, ids, mask)
@@ -181,6 +321,17 @@ class SlotModel:
 
     def new_cache(self) -> SlotCache:
         return self.runner.caches[self.slot]
+
+    @property
+    def joint(self) -> bool:
+        return self.runner.joint
+
+    def offer(self, cache: SlotCache, ids: np.ndarray, confidence: np.ndarray, alone: int) -> ForwardOutput:
+        """``BatchRunner.offer``: a prefix of ``ids`` is run, ``alone`` tokens when not shared."""
+        return self.runner.offer(cache, ids, confidence, alone)
+
+    def last_choice(self) -> dict | None:
+        return self.runner.choices.pop(self.slot, None)
 
     def step(self, cache: SlotCache, ids: np.ndarray) -> ForwardOutput:
         if ids.shape[0] not in self.widths:

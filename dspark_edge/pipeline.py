@@ -264,12 +264,14 @@ class Pipeline:
         twin._telemetry_of = self
         return twin
 
-    def batch_slots(self, n: int, gather_s: float = 0.02) -> list["Pipeline"]:
+    def batch_slots(self, n: int, gather_s: float = 0.02, verify_slots: bool = True) -> list["Pipeline"]:
         """``n`` pipelines over this one's loaded target whose generations run concurrently, one
         thread each, their target passes batched (``dspark_edge.batching``): continuous batching
         for a server. Each has a drafter of its own (made from the spec this pipeline was loaded
         with) and its own scheduler with this one's cost curve; they read this pipeline's
-        telemetry and report to its observers. A slot drafts only while no other slot is
+        telemetry and report to its observers. ``verify_slots``: drafts of several requests are
+        verified in one pass (a second session of the target's graph, rewritten for it: a
+        second copy of the weights in memory); off, a slot drafts only while no other slot is
         generating. Self-drafting (which runs over the target's own KV cache) cannot be
         batched: a ConfigError names the fix."""
         from .batching import BatchRunner, SlotModel
@@ -278,7 +280,9 @@ class Pipeline:
         if self.drafter is not None and self._drafter_factory is None:
             raise ConfigError("batching needs a drafter per slot: load the pipeline with a drafter spec "
                               "(e.g. drafter='ngram'), not a Drafter object")
-        runner = BatchRunner(self.target, n, gather_s)
+        curve = dict(self.scheduler.costs.verify_ms) if self.scheduler is not None else None
+        runner = BatchRunner(self.target, n, gather_s, verify_slots=verify_slots and self.drafter is not None,
+                             curve=curve)
         slots = []
         for i in range(n):
             drafter = self._drafter_factory() if self.drafter is not None else None
@@ -559,7 +563,10 @@ class TextStream:
         else:
             policy = SurvivalCut(cfg.min_survival)
         room = (lambda: p._slot[0].draft_room(p._slot[1])) if p._slot is not None else (lambda: None)
-        target = Target(p.target, p.telemetry, p.manifest.model.vocab_size, p._release_drafter, room)
+        joint = p._slot is not None and p._slot[0].joint
+        target = Target(p.target, p.telemetry, p.manifest.model.vocab_size, p._release_drafter, room,
+                        offer=p.target.offer if joint else None,
+                        last_choice=p.target.last_choice if joint else (lambda: None))
         return Speculator(target, cfg, drafter, policy, max_drafts, rng, coupled_seed)
 
     def _record(self, info: RoundInfo) -> None:

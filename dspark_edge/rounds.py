@@ -56,6 +56,7 @@ class RoundInfo:
     telemetry: Snapshot | None = None  # the reading this round saw (None when nothing samples it)
     drafting: dict | None = None  # what the drafter did this round and why, when it says (``last_proposal``)
     drafts: tuple[int, ...] = ()  # the proposed draft ids, in order (the first ``accepted`` start ``tokens``)
+    batch: dict | None = None  # a batched slot's round: how many drafts the shared pass verified and why
 
     def as_dict(self) -> dict:
         """A JSON-ready record (one trace line)."""
@@ -65,7 +66,7 @@ class RoundInfo:
              "accepted": self.accepted, "tokens": list(self.tokens), "drafts": list(self.drafts), "confidence": [round(c, 5) for c in self.confidence],
              "draft_ms": round(self.draft_ms, 4), "verify_ms": round(self.verify_ms, 4),
              "draft_n_total": self.draft_n_total, "accepted_total": self.accepted_total,
-             "decision": None, "telemetry": None, "drafting": self.drafting}
+             "decision": None, "telemetry": None, "drafting": self.drafting, "batch": self.batch}
         if self.decision is not None:
             d["decision"] = asdict(self.decision)
         if self.telemetry is not None:
@@ -111,13 +112,18 @@ class Target:
     the vocabulary size drafts are checked against, ``release``, which drops a drafter the
     pipeline can load again (under a memory squeeze; the pipeline restores it later), and
     ``draft_room``, the most drafts this round may verify (None: no limit; a batched slot gets
-    0 while other requests step with it)."""
+    0 while other requests step with it), and for a slot whose drafts share passes with other
+    requests' (``batching``) ``offer(cache, ids, confidence, alone)``, which runs a prefix of
+    [anchor, drafts…] (``alone`` tokens when the pass is not shared, the runner's joint choice
+    when it is) and ``last_choice()``, that choice's record."""
 
     model: object  # decoder.DecoderModel: step(cache, ids) -> logits, hidden; widths
     telemetry: Callable[[], Snapshot | None]
     vocab_size: int
     release: Callable[[], None]
     draft_room: Callable[[], int | None] = lambda: None
+    offer: Callable | None = None
+    last_choice: Callable[[], dict | None] = lambda: None
 
 
 class Speculator:
@@ -180,11 +186,22 @@ class Speculator:
         keep, decision = policy.choose(draft.confidence, snap, shift, draft.source, draft_ms)
         if decision is not None:
             st.modes[decision.mode] = st.modes.get(decision.mode, 0) + 1
-        width = max(w for w in self.target.model.widths if w <= min(keep, len(draft)) + 1)
+        widths = self.target.model.widths
+        width = max(w for w in widths if w <= min(keep, len(draft)) + 1)
+        # A batched slot offers every draft up to the widest width; the pass may verify more
+        # or fewer than its own choice ``width`` when it is shared (``Target.offer``).
+        yardstick = policy.yardstick(widths) if self.target.offer is not None and len(draft) else None
+        offered = draft.trimmed(max(w for w in widths if w <= len(draft) + 1) - 1) if yardstick else None
         draft = draft.trimmed(width - 1)
         # One target pass over [pending, drafts…], and the verdict.
         t_v = time.perf_counter()
-        outcome = self._verify(cache, pending, draft, position)
+        choice = None
+        if yardstick is not None and offered is not None:
+            outcome, draft = self._verify_offered(cache, pending, offered, yardstick, width, position)
+            choice = self.target.last_choice()
+            width = len(draft) + 1
+        else:
+            outcome = self._verify(cache, pending, draft, position)
         verify_ms = (time.perf_counter() - t_v) * 1e3
         st.verify_s += verify_ms / 1e3
         round_ms = None if t_d is None else (time.perf_counter() - t_d) * 1e3
@@ -199,7 +216,7 @@ class Speculator:
                          tokens=tuple(int(t) for t in outcome.tokens), draft_ms=draft_ms or 0.0,
                          verify_ms=verify_ms, t_s=time.perf_counter() - t0, telemetry=snap,
                          drafting=dict(draft.record) if isinstance(draft.record, dict) else None,
-                         drafts=tuple(int(t) for t in draft.tokens))
+                         drafts=tuple(int(t) for t in draft.tokens), batch=choice)
         record(info)
         # Feedback for the drafter's own learning.
         if self.drafter is not None and len(draft):
@@ -248,11 +265,21 @@ class Speculator:
             log.warning("speculation disabled for this generation: %s", self.disabled)
             self.drafter, self.hidden_rows = None, None
 
-    def _verify(self, cache, pending: int, draft: Draft, position: int) -> VerifyOutcome:
-        """One target pass over [pending, drafts…] and the verification of the drafts; row 0
-        decides answer position ``position``."""
+    def _verify_offered(self, cache, pending: int, offered: Draft, yardstick, alone: int,
+                        position: int) -> tuple[VerifyOutcome, Draft]:
+        """``_verify`` for a batched slot: the runner runs a prefix of the offered drafts (the
+        confidences as the scheduler sees them go with them); the drafts it ran are verified."""
+        ids = np.concatenate(([pending], offered.tokens)).astype(np.int64)
+        out = self.target.offer(cache, ids, yardstick.shifted(offered.confidence), alone)
+        draft = offered.trimmed(out.logits.shape[0] - 1)
+        return self._verify(cache, pending, draft, position, out), draft
+
+    def _verify(self, cache, pending: int, draft: Draft, position: int, out=None) -> VerifyOutcome:
+        """One target pass over [pending, drafts…] (``out``, when it ran already) and the
+        verification of the drafts; row 0 decides answer position ``position``."""
         cfg = self.cfg
-        out = self.target.model.step(cache, np.concatenate(([pending], draft.tokens)).astype(np.int64))
+        if out is None:
+            out = self.target.model.step(cache, np.concatenate(([pending], draft.tokens)).astype(np.int64))
         if cfg.temperature == 0.0:
             outcome = verify_greedy(draft.tokens, out.logits)
         elif self.seed is not None:

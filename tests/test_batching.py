@@ -144,3 +144,153 @@ def test_the_slot_rows_compute_what_a_pass_alone_computes(tiny_engine):
     assert runner.passes["batched"] == 1 and runner.passes["rows"] == 3
     for s in range(3):
         assert np.allclose(outs[s], alone[s], atol=1e-5), s
+
+
+class _FlatCosts:
+    """A pass cost table for tests: every token after the first costs ``per_token`` of a pass,
+    so the joint choice does not depend on this machine's timings."""
+
+    def __init__(self, per_token: float) -> None:
+        self.per_token = per_token
+
+    def __call__(self, n: int) -> float:
+        return 1.0 + self.per_token * (n - 1)
+
+    def observe(self, n: int, ms: float) -> None:
+        pass
+
+
+def _prefilled_runner(engine, slots, lengths, rng):
+    from dspark_edge.batching import BatchRunner
+    from dspark_edge.decoder import DecoderModel
+    from dspark_edge.manifest import read_manifest
+
+    m = read_manifest(engine)
+    model = DecoderModel(m, engine, "fp32")
+    runner = BatchRunner(model, slots, gather_s=5.0)
+    prompts = [rng.integers(0, m.model.vocab_size, n).astype(np.int64) for n in lengths]
+    for s, p in enumerate(prompts):
+        runner.join(s)
+        runner.forward(runner.caches[s], p)  # alone: the engine's own graph
+        runner.caches[s].commit(len(p))
+    return m, model, runner, prompts
+
+
+def _alone(model, prompt, ids):
+    cache = model.new_cache()
+    model.prefill(cache, prompt)
+    out = model.session.forward(cache, ids)
+    return out.logits.copy(), out.hidden.copy() if out.hidden is not None else None
+
+
+def _concurrently(fn, args):
+    outs: dict = {}
+    threads = [threading.Thread(target=lambda a=a: outs.__setitem__(a[0], fn(*a))) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return outs
+
+
+@pytest.mark.parametrize("active", [3, 2])
+def test_a_slots_pass_computes_bit_for_bit_what_each_pass_alone_computes(tiny_engine, active):
+    """Passes of different widths (drafts, a prefill chunk) of several requests in one pass of
+    the slots graph; with fewer requests than slots the rest are dummies."""
+    rng = np.random.default_rng(1)
+    m, model, runner, prompts = _prefilled_runner(tiny_engine, 3, (9, 3, 17), rng)
+    assert runner.slots_pass is not None
+    news = [rng.integers(0, m.model.vocab_size, w).astype(np.int64) for w in (4, 1, 7)][:active]
+    want = [_alone(model, p, ids) for p, ids in zip(prompts, news)]
+    for s in range(active, 3):
+        runner.leave(s)
+    singles = runner.passes["single"]  # the prefills
+    outs = _concurrently(lambda s: runner.forward(runner.caches[s], news[s]), [(s,) for s in range(active)])
+    assert runner.passes["slots"] == 1 and runner.passes["single"] == singles
+    for s in range(active):
+        assert np.array_equal(outs[s].logits, want[s][0]), s
+        assert (outs[s].hidden is None) == (want[s][1] is None)
+        if want[s][1] is not None:
+            assert np.array_equal(outs[s].hidden, want[s][1]), s
+
+
+def test_the_joint_choice_admits_drafts_by_survival(tiny_engine):
+    """Offered drafts: alone, the slot's own choice runs; shared, Algorithm 1 keeps a prefix
+    of each request's drafts, more of the likely ones, none of drafts not worth their cost."""
+    rng = np.random.default_rng(2)
+    m, model, runner, prompts = _prefilled_runner(tiny_engine, 3, (5, 8, 6), rng)
+    runner.costs = _FlatCosts(0.1)
+    ids = [rng.integers(0, m.model.vocab_size, 5).astype(np.int64) for _ in range(3)]
+    conf = [np.array([0.95, 0.9, 0.9, 0.8]), np.array([0.5, 0.2, 0.1, 0.1]), np.array([0.02, 0.9, 0.9, 0.9])]
+    outs = _concurrently(lambda s: runner.offer(runner.caches[s], ids[s], conf[s], 1), [(s,) for s in range(3)])
+    kept = [outs[s].logits.shape[0] - 1 for s in range(3)]
+    assert kept[0] == 4 and 0 < kept[1] < 4 and kept[2] == 0, kept
+    for s in range(3):
+        assert runner.choices[s]["kept"] == kept[s] and runner.choices[s]["requests"] == 3
+        assert np.array_equal(outs[s].logits, _alone(model, prompts[s], ids[s][:1 + kept[s]])[0]), s
+    runner.costs = _FlatCosts(10.0)  # drafts cost more than they can return: none admitted
+    outs = _concurrently(lambda s: runner.offer(runner.caches[s], ids[s], conf[s], 3), [(s,) for s in range(3)])
+    assert all(outs[s].logits.shape[0] == 1 for s in range(3))
+    # Alone: the slot's own choice (``alone`` tokens), whatever the confidences say.
+    runner.leave(1), runner.leave(2)
+    out = runner.offer(runner.caches[0], ids[0], conf[0], 2)
+    assert out.logits.shape[0] == 2 and runner.choices.pop(0)["kept"] == 1
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "dspark"])
+def test_batched_drafts_of_several_requests_keep_each_answer(tiny_engine, tiny_with_drafter, drafter):
+    """Every slot drafts every round and the runner verifies several requests' drafts in one
+    pass: each greedy answer is the one served alone, and coupled sampling's answer is still a
+    function of its seed alone."""
+    from forced_width import ForcedWidthScheduler
+
+    engine = tiny_engine if drafter == "ngram" else tiny_with_drafter[0]
+    prompts = ["one two three four one two three four one two", "a b c d e f a b c d e f a b", PROMPTS[0]]
+    with dspark_edge.load(engine, "fp32", drafter=drafter) as pipe:
+        want = [pipe.generate(p, max_new_tokens=32, ignore_eos=True).token_ids for p in prompts]
+        slots = pipe.batch_slots(3, gather_s=0.5)
+        runner = slots[0]._slot[0]
+        assert runner.joint
+        runner.costs = _FlatCosts(0.05)
+        for s in slots:
+            s.scheduler = ForcedWidthScheduler(s.scheduler, lambda c: min(4, len(c) + 1), "test: drafts")
+        rounds: list = []
+        slots[0].observers.append(type("Obs", (), {"on_round": lambda self, info: rounds.append(info),
+                                                  "__getattr__": lambda self, n: (lambda *a, **k: None)})())
+        got = _run_all(slots, [(i, p, {"max_new_tokens": 32, "ignore_eos": True}) for i, p in enumerate(prompts)])
+        assert got == want
+        assert runner.passes["slots"] > 0
+        shared = [r for r in rounds if r.batch is not None and r.batch["requests"] > 1]
+        assert shared and any(r.batch["kept"] > 0 for r in shared)
+        assert all(r.drafted == r.batch["kept"] for r in shared)
+        kw = {"max_new_tokens": 24, "temperature": 0.9, "sampling": "coupled", "ignore_eos": True}
+        want = [pipe.generate(p, seed=i, **kw).token_ids for i, p in enumerate(prompts)]
+        assert _run_all(slots, [(i, p, {**kw, "seed": i}) for i, p in enumerate(prompts)]) == want
+
+
+def test_without_the_slots_graph_a_batched_slot_drafts_alone_only(tiny_engine):
+    with dspark_edge.load(tiny_engine, "fp32", drafter="ngram") as pipe:
+        slots = pipe.batch_slots(2, verify_slots=False)
+        runner = slots[0]._slot[0]
+        assert not runner.joint and runner.slots_pass is None
+        runner.join(0), runner.join(1)
+        assert runner.draft_room(0) == 0
+        runner.leave(1)
+        assert runner.draft_room(0) is None
+
+
+def test_a_graph_that_is_not_the_fused_one_is_refused_by_the_rewrite(tiny_engine):
+    import onnx
+
+    from dspark_edge.backends.slots import rewrite
+    from dspark_edge.errors import EngineError
+    from dspark_edge.manifest import read_manifest
+
+    m = read_manifest(tiny_engine)
+    proto = onnx.load(str(tiny_engine / "target" / "fp32" / "model.onnx"), load_external_data=False)
+    for node in proto.graph.node:  # an attention that no longer reads the past K/V
+        if node.op_type == "GroupQueryAttention":
+            node.input[3] = node.input[0]
+            break
+    with pytest.raises(EngineError, match="fused graph"):
+        rewrite(proto, m.io, m.model.num_layers, 2)

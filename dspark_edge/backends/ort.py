@@ -89,9 +89,12 @@ def resolve_providers(options: BackendOptions) -> tuple[list[str], list[dict]]:
     return chosen, chosen_opts
 
 
-def open_session(path: str, options: BackendOptions, qdq: bool = False,
-                 initializers: dict[str, np.ndarray] | None = None):
-    """An InferenceSession for ``path`` with the options' threads, spinning and providers.
+def open_session(path: str | bytes, options: BackendOptions, qdq: bool = False,
+                 initializers: dict[str, np.ndarray] | None = None, external_folder: str | None = None,
+                 label: str | None = None):
+    """An InferenceSession for ``path`` (or a serialized graph, whose external weight files are
+    in ``external_folder``) with the options' threads, spinning and providers. ``label`` names
+    the graph in errors (default: ``path``).
 
     ``initializers``: arrays that replace the graph's initializers of those names on the CPU
     provider (onnxruntime computes with the caller's memory; the session keeps a reference).
@@ -114,6 +117,8 @@ def open_session(path: str, options: BackendOptions, qdq: bool = False,
     if qdq and (options.providers[:1] or ("CPUExecutionProvider",))[0] == "CPUExecutionProvider":
         so.add_session_config_entry("session.disable_quant_qdq", "1")
     so.log_severity_level = 3
+    if external_folder is not None:
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", external_folder)
     providers, provider_options = resolve_providers(options)
     values = []
     if initializers and providers[0] == "CPUExecutionProvider":
@@ -123,7 +128,7 @@ def open_session(path: str, options: BackendOptions, qdq: bool = False,
     try:
         session = ort.InferenceSession(path, so, providers=providers, provider_options=provider_options)
     except Exception as exc:  # onnxruntime raises several unrelated types here
-        raise EngineError(f"onnxruntime could not load {path}: {exc}. The file may be truncated or "
+        raise EngineError(f"onnxruntime could not load {label or path}: {exc}. The file may be truncated or "
                           "corrupted, or need a newer onnxruntime; re-export the engine folder") from exc
     check_created_providers(providers, session.get_providers(), options.fallback_to_cpu)
     session.dspark_initializers = (initializers, values)  # the memory the session computes with
@@ -237,6 +242,7 @@ class OrtDecoder:
         options = _with_trt_profile(options, io, model, self.capacity)
         self.path, self.io, self.model, self.options = path, io, model, options
         self.session = open_session(path, options, qdq, initializers)
+        self.initializers = initializers  # a slots session (``slots.SlotsDecoder``) computes with the same
         self.providers = tuple(self.session.get_providers())
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = {o.name for o in self.session.get_outputs()}
