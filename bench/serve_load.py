@@ -1,10 +1,11 @@
 """Several clients at once: dspark_edge's server against llama-server on the same model and CPU.
 
     python bench/serve_load.py --engine engines/smollm2-135m [--clients 1,2,4] [--drafters none,auto]
-        [--parallel 1,c] [--llama-gguf .cache/llamacpp/work/target-f32.gguf] [--requests 8] [--max-tokens 64]
+        [--parallel 1,c] [--shared-verify on,off] [--llama-gguf .cache/llamacpp/work/target-f32.gguf] [--requests 8] [--max-tokens 64]
 
 For each concurrency c, each server in turn (dspark_edge with each drafter at each ``--parallel``
-setting, "c" standing for the concurrency: ``serve --parallel c`` batches the requests; then
+setting, "c" standing for the concurrency: ``serve --parallel c`` batches the requests, with
+several requests' drafts verified in one pass or not (``--shared-verify``); then
 llama-server with ``-np c`` when ``--llama-gguf`` is given: build it with
 bench/llamacpp_crosscheck.py),
 c client threads send the project's benchmark prompts (chat completions, streamed, greedy,
@@ -115,6 +116,8 @@ def main() -> int:
     ap.add_argument("--llama-gguf", type=Path, default=None, help="the same model as a GGUF for llama-server")
     ap.add_argument("--parallel", default="1", help="dspark_edge serve --parallel settings, comma-separated; "
                                                      "'c' is the number of clients (default: %(default)s)")
+    ap.add_argument("--shared-verify", default="on", help="with --parallel > 1: 'on', 'off' or both "
+                                                          "('on,off'; default: %(default)s)")
     ap.add_argument("--requests", type=int, default=8, help="requests per server and concurrency")
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
@@ -126,10 +129,15 @@ def main() -> int:
     for clients in [int(c) for c in args.clients.split(",")]:
         servers = []
         for par in sorted({clients if p == "c" else int(p) for p in args.parallel.split(",")}):
-            servers += [(f"dspark_edge {d}" + (f" --parallel {par}" if par > 1 else ""),
-                         [sys.executable, "-m", "dspark_edge", "serve", "--engine", str(args.engine), "--drafter", d,
-                          "--max-queue", "64", "--parallel", str(par)], {"ignore_eos": True})
-                        for d in args.drafters.split(",")]
+            for shared in (args.shared_verify.split(",") if par > 1 else ["on"]):
+                if shared not in ("on", "off"):
+                    ap.error(f"--shared-verify takes on and off, got {shared!r}")
+                flag = "--shared-verify" if shared == "on" else "--no-shared-verify"
+                servers += [(f"dspark_edge {d}" + (f" --parallel {par}" if par > 1 else "")
+                             + (" --no-shared-verify" if par > 1 and shared == "off" else ""),
+                             [sys.executable, "-m", "dspark_edge", "serve", "--engine", str(args.engine), "--drafter",
+                              d, "--max-queue", "64", "--parallel", str(par), flag], {"ignore_eos": True})
+                            for d in args.drafters.split(",")]
         if args.llama_gguf is not None:
             servers.append((f"llama-server -np {clients}", [str(SERVER), "-m", str(args.llama_gguf), "-np",
                                                               str(clients), "-c", str(4096 * clients), "-t",

@@ -58,10 +58,11 @@ class SlotCache(KVCache):
 
 class PassCosts:
     """T(n): milliseconds of one slots-graph pass over n new tokens in all (dummies included).
-    Each n's value is a moving average of the passes run at n; an n not run yet is read off the
-    engine's width curve ``curve`` (width → ms of a pass alone: the device profile's or the
-    scheduler's), extended linearly past its widest width, times the ratio passes have shown
-    to that curve so far. Without a curve a pass costs n (drafts never pay until measured)."""
+    Each n's value is a moving average of the passes run at n, starting from the table measured
+    when the runner opened the slots graph (``BatchRunner.measure_passes``); an n outside it is
+    read off the engine's width curve ``curve`` (width → ms of a pass alone: the device profile's
+    or the scheduler's), extended linearly past its widest width, times the ratio passes have
+    shown to that curve so far. Without either, a pass costs n (drafts never pay)."""
 
     def __init__(self, curve: dict[int, float] | None = None, weight: float = 0.25) -> None:
         self.curve = monotone(dict(curve)) if curve else {}
@@ -118,6 +119,8 @@ class BatchRunner:
         self.caches = [SlotCache(self.capacity, s) for s in range(slots)]
         self.slots_pass = self._open_slots() if verify_slots and slots > 1 else None
         self.costs = PassCosts(curve)
+        if self.slots_pass is not None:
+            self.measure_passes(max(model.widths))
         self.choices: dict[int, dict] = {}  # each offering slot's last joint choice, for its round's record
         self._cond = threading.Condition()
         self._active: set[int] = set()
@@ -125,6 +128,24 @@ class BatchRunner:
         self._results: dict[int, ForwardOutput | BaseException] = {}
         self._offers: dict[int, tuple[np.ndarray, int]] = {}  # slot -> (confidences, width alone)
         self.passes = {"batched": 0, "rows": 0, "single": 0, "slots": 0}  # counts, for tests and metrics
+
+    def measure_passes(self, widest: int, repeats: int = 3) -> None:
+        """Measure T(n) for n = slots … slots × ``widest`` (the passes the joint choice can
+        make), each the median of ``repeats`` runs after one unmeasured run (a new shape's first
+        run sets up buffers). Runs on rows whose caches are empty: it writes only positions no
+        cache has committed. A few hundred milliseconds, once."""
+        p = self.slots_pass.slots
+        for n in range(p, p * widest + 1):
+            widths = [n // p + (1 if j < n % p else 0) for j in range(p)]
+            jobs = [(j, 0, np.zeros(w, dtype=np.int64)) for j, w in enumerate(widths)]
+            times = []
+            for _ in range(repeats + 1):
+                t = time.perf_counter()
+                self.slots_pass.run(self._kv, jobs)
+                times.append((time.perf_counter() - t) * 1e3)
+            self.costs.seen[n] = float(np.median(times[1:]))
+        log.info("slots-graph pass costs (ms by tokens in the pass): %s",
+                 ", ".join(f"{n}: {ms:.1f}" for n, ms in sorted(self.costs.seen.items())))
 
     def _open_slots(self):
         """The slots graph's session (None, with the reason logged, where it cannot be had)."""

@@ -9,8 +9,9 @@ Requests wait in a bounded queue, in arrival order. With ``parallel`` 1, one wor
 decodes them one at a time on the pipeline, with its drafter and scheduler: the answers are
 exactly what ``Pipeline.generate`` gives for the same request. With ``parallel`` N, N threads
 decode up to N requests at once on the slots of ``Pipeline.batch_slots`` (continuous batching:
-their width-1 steps share target passes; a request drafts while it is the only one decoding);
-greedy answers are still the pipeline's own. A full queue answers 429; a client that goes away (while queued or while
+each round's target passes of all requests run as one, several requests' drafts verified
+together unless ``shared_verify`` is off, when a request drafts only while it is the only one
+decoding); greedy answers are still the pipeline's own. A full queue answers 429; a client that goes away (while queued or while
 its answer streams) cancels its request, which ends after the round in progress; a request
 running past ``request_timeout_s`` ends the same way and is answered 504 (or, mid-stream, with
 an error event). Bad requests get 400 with the field and the fix, in OpenAI's error shape.
@@ -52,6 +53,7 @@ class ServeConfig:
     default_max_tokens: int = 256
     api_key: str | None = None
     parallel: int = 1  # requests decoded at once (batched when more than 1)
+    shared_verify: bool = True  # batched requests' drafts verified in one pass (a second graph session)
 
     def __post_init__(self) -> None:
         if not 1 <= self.parallel <= 64:
@@ -252,7 +254,8 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
     from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
-    worker = Worker(pipe.batch_slots(cfg.parallel) if cfg.parallel > 1 else [pipe], cfg)
+    worker = Worker(pipe.batch_slots(cfg.parallel, verify_slots=cfg.shared_verify) if cfg.parallel > 1 else [pipe],
+                    cfg)
     counters = _server_counters(metrics)
 
     def fail(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):

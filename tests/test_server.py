@@ -275,7 +275,8 @@ def test_an_api_key_is_required_when_set():
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
 
 
-@pytest.mark.parametrize("extra", [["--drafter", "none"], ["--drafter", "auto", "--parallel", "2"]])
+@pytest.mark.parametrize("extra", [["--drafter", "none"], ["--drafter", "auto", "--parallel", "2"],
+                                   ["--drafter", "ngram", "--parallel", "2", "--no-shared-verify"]])
 def test_the_serve_command_answers_and_stops_on_sigterm(tiny_engine, extra):
     import signal
     import subprocess
@@ -304,7 +305,7 @@ def test_the_serve_command_answers_and_stops_on_sigterm(tiny_engine, extra):
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode in (0, 143) and "[serve] http://127.0.0.1" in err
-        if "--parallel" in extra:  # auto's ngram+self cannot be batched: the n-gram drafter is taken
+        if "auto" in extra and "--parallel" in extra:  # auto's ngram+self cannot be batched: ngram is taken
             assert "--drafter auto: 'ngram'" in err
     finally:
         if proc.poll() is None:
@@ -333,14 +334,15 @@ def test_a_fault_in_the_pipeline_answers_500_and_the_server_goes_on():
 
 
 
-def test_parallel_requests_are_batched_and_answered_as_alone(tiny_engine):
+@pytest.mark.parametrize("shared_verify", [True, False])
+def test_parallel_requests_are_batched_and_answered_as_alone(tiny_engine, shared_verify):
     import dspark_edge
     from dspark_edge.server import ServeConfig, build_app
 
     prompts = ["def add(a, b):", "The quick brown fox", "one two three", "hello"]
     with dspark_edge.load(tiny_engine, "fp32", drafter="ngram") as pipe:
         want = [pipe.generate(p, max_new_tokens=24, ignore_eos=True).text for p in prompts]
-        app = build_app(pipe, ServeConfig(model="tiny", parallel=3))
+        app = build_app(pipe, ServeConfig(model="tiny", parallel=3, shared_verify=shared_verify))
         with running(app) as url:
             c, got = client(url), {}
 
@@ -355,7 +357,8 @@ def test_parallel_requests_are_batched_and_answered_as_alone(tiny_engine):
                 t.join(timeout=60)
             assert [got.get(i) for i in range(len(prompts))] == want
             runner = app.state.worker.pipes[0]._slot[0]
-            assert runner.passes["batched"] > 0  # the requests shared target passes
+            assert runner.joint == shared_verify
+            assert runner.passes["batched"] + runner.passes["slots"] > 0  # the requests shared target passes
             health = httpx.get(url + "/health", timeout=10).json()
             assert health["running"] == 0 and not health["busy"]
 

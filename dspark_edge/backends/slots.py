@@ -22,6 +22,7 @@ the session reads the same external weight file as the engine's own graph.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -173,7 +174,10 @@ class SlotsDecoder:
         graph = rewrite(proto, io, model.num_layers, slots)
         folder = str(Path(decoder.path).resolve().parent)
         _import_ort()
-        self.session = open_session(graph.SerializeToString(), decoder.options, initializers=decoder.initializers,
+        # Two sessions take turns on the same cores: without the process-wide pool, this one's
+        # threads must not spin after its pass and slow the engine's next one.
+        options = decoder.options if decoder.options.shared_threads else replace(decoder.options, allow_spinning=False)
+        self.session = open_session(graph.SerializeToString(), options, initializers=decoder.initializers,
                                     external_folder=folder, label=f"{decoder.path} ({slots} slots)")
         self.kv_dtype = decoder.kv_dtype
         self._kv_names = decoder._kv_names

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ def register(sub) -> None:
                        description="An OpenAI-compatible server: /v1/chat/completions, /v1/completions (streaming "
                                    "or not), /v1/models, /health, /metrics. Requests are answered in arrival "
                                    "order, one at a time exactly as `generate` answers them, or --parallel N at "
-                                   "once with their target steps batched.")
+                                   "once with their target passes batched.")
     engine_args(s)
     s.add_argument("--drafter", default="auto", help="the drafter, as for generate (default: %(default)s)")
     s.add_argument("--chat-template", default=None, metavar="FILE",
@@ -33,10 +34,16 @@ def register(sub) -> None:
     s.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take, queueing included; then it ends with 504 (default: %(default)s)")
     s.add_argument("--parallel", type=int, default=1,
-                   help="requests decoded at once, their width-1 steps batched in one target pass (continuous "
-                        "batching; a request drafts while it is the only one decoding). Greedy answers stay "
-                        "the model's own. Self-drafting cannot be batched: with N > 1, --drafter auto picks "
-                        "among the others (default: %(default)s)")
+                   help="requests decoded at once, their target passes batched (continuous batching: each "
+                        "round's passes of all requests run as one, drafts included; see --shared-verify). "
+                        "Greedy answers stay the model's own. Self-drafting cannot be batched: with N > 1, "
+                        "--drafter auto picks among the others (default: %(default)s)")
+    s.add_argument("--shared-verify", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --parallel N > 1 and a drafter: verify several requests' drafts in one pass, "
+                        "choosing each request's drafts by survival under the measured pass costs; it opens a "
+                        "second session of the target graph (one more copy of its weights in memory). "
+                        "--no-shared-verify saves that memory: a request then drafts only while it is the "
+                        "only one decoding (default: on)")
     s.add_argument("--max-tokens", type=int, default=4096,
                    help="the largest max_tokens a request may ask for (default: %(default)s)")
 
@@ -69,11 +76,14 @@ def cmd_serve(args) -> int:
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or None
     cfg = ServeConfig(model=args.model_name or Path(args.engine).resolve().name, max_queue=args.max_queue,
                       request_timeout_s=args.request_timeout, max_tokens=args.max_tokens,
-                      default_max_tokens=min(256, args.max_tokens), api_key=api_key, parallel=args.parallel)
+                      default_max_tokens=min(256, args.max_tokens), api_key=api_key, parallel=args.parallel,
+                      shared_verify=args.shared_verify)
     drafter = None if args.drafter == "none" else args.drafter
     if cfg.parallel > 1 and drafter == "auto":
         drafter = batchable_auto(args)
-    pipe = load_engine(args, drafter)
+    # Verifying several requests' drafts opens a second session of the target graph: both on
+    # the process-wide thread pool, or each session's idle threads spin against the other's.
+    pipe = load_engine(args, drafter, shared_threads=cfg.parallel > 1 and cfg.shared_verify and drafter is not None)
     metrics = None
     try:
         from ..metrics import PrometheusMetrics
