@@ -43,7 +43,7 @@ import numpy as np
 from .backends import ForwardOutput, KVCache
 from .decoder import PREFILL_CHUNK, prefill_in_chunks
 from .errors import BackendError, ConfigError, DSparkError
-from .scheduler import choose_multi, monotone
+from .scheduler import choose_multi, monotone, survival
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +268,7 @@ class BatchRunner:
             offered = len(offering[s][0])
             jobs[s] = jobs[s][:1 + k]
             self.choices[s] = {"requests": len(jobs), "offered": offered, "kept": k, "pass_tokens": total,
+                               "expected_accepted": round(float(survival(offering[s][0])[:k].sum()), 4),
                                "pass_ms_expected": round(self.costs(total), 3),
                                "reason": "drafts admitted by survival while expected tokens per ms of the "
                                          "shared pass improved"}

@@ -294,3 +294,58 @@ def test_a_graph_that_is_not_the_fused_one_is_refused_by_the_rewrite(tiny_engine
             break
     with pytest.raises(EngineError, match="fused graph"):
         rewrite(proto, m.io, m.model.num_layers, 2)
+
+
+def test_pass_costs_start_from_measurements_and_the_width_curve():
+    from dspark_edge.batching import PassCosts
+
+    costs = PassCosts({1: 10.0, 2: 12.0, 4: 14.0})
+    assert costs(3) == pytest.approx(13.0) and costs(6) == pytest.approx(16.0)  # interpolated, extended
+    costs.seen[5] = 20.0  # measured when the slots graph opened
+    assert costs(5) == 20.0
+    costs.observe(5, 30.0)
+    assert 20.0 < costs(5) < 30.0  # a moving average of the passes run
+    costs.observe(4, 28.0)  # passes at twice the curve: unmeasured widths follow
+    assert costs(6) > 16.0
+    assert PassCosts()(7) == 7.0  # nothing known: every token costs a pass's share, drafts never pay
+
+
+def test_sampled_answers_of_batched_drafts_follow_the_target_distribution(tiny_with_drafter):
+    """Rejection sampling over drafts a shared pass verified (their count chosen jointly, the
+    DSpark drafter's own q): the answers' joint distribution over three tokens is the target's
+    (the chi-square check of test_speculative_tiny, answers spread over three slots)."""
+    from forced_width import ForcedWidthScheduler
+    from test_speculative_tiny import _chi2_rejects, _exact_joint
+
+    engine = tiny_with_drafter[0]
+    prompt = "The quick brown fox The quick brown"
+    n, top_k = 3000, 4
+    with dspark_edge.load(engine, "fp32", drafter="dspark") as pipe:
+        exact = _exact_joint(pipe, pipe.encode_prompt(prompt), top_k=top_k)
+        slots = pipe.batch_slots(3, gather_s=0.5)
+        runner = slots[0]._slot[0]
+        runner.costs = _FlatCosts(0.05)
+        for s in slots:
+            s.scheduler = ForcedWidthScheduler(s.scheduler, lambda c: min(3, len(c) + 1), "test: drafts")
+        answers: dict[int, tuple] = {}
+        drafted = [0]
+
+        def go(slot):
+            for seed in range(slot, n, 3):
+                r = slots[slot].generate(prompt, max_new_tokens=3, temperature=1.0, top_k=top_k, seed=seed,
+                                         ignore_eos=True)
+                answers[seed] = tuple(r.token_ids)
+                drafted[0] += r.stats.draft_n
+
+        threads = [threading.Thread(target=go, args=(s,), daemon=True) for s in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert len(answers) == n and runner.passes["slots"] > 0 and drafted[0] > 0
+
+        class Replay:  # the answers gathered above, served to the check by seed
+            def generate(self, prompt, seed, **kw):
+                return type("R", (), {"token_ids": answers[seed]})()
+
+        assert not _chi2_rejects(Replay(), prompt, exact, n, top_k)
