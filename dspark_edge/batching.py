@@ -58,27 +58,33 @@ class SlotCache(KVCache):
 
 class PassCosts:
     """T(n): milliseconds of one slots-graph pass over n new tokens in all (dummies included).
-    Each n's value is a moving average of the passes run at n, starting from the table measured
-    when the runner opened the slots graph (``BatchRunner.measure_passes``); an n outside it is
-    read off the engine's width curve ``curve`` (width → ms of a pass alone: the device profile's
-    or the scheduler's), extended linearly past its widest width, times the ratio passes have
-    shown to that curve so far. Without either, a pass costs n (drafts never pay)."""
+
+    ``curve`` (n → ms) is the basis: the passes measured when the runner opened the slots graph
+    (``BatchRunner.measure_passes``), else the engine's width curve (a pass alone: the device
+    profile's or the scheduler's); between its points T is interpolated, past them extended
+    with the last slope. Passes run since then correct it: an n that has been run reads its
+    own moving average, any other the curve times the moving ratio observed/curve. The first
+    pass at each n is not counted (onnxruntime sets up buffers on a shape's first run). Without
+    a curve a pass costs n (drafts never pay)."""
 
     def __init__(self, curve: dict[int, float] | None = None, weight: float = 0.25) -> None:
         self.curve = monotone(dict(curve)) if curve else {}
         self.weight = weight
         self.seen: dict[int, float] = {}
-        self.ratio = 1.0  # observed / curve, averaged over the passes run
+        self.warm: set[int] = set()  # the n's whose first pass has run
+        self.ratio = 1.0  # observed / curve, a moving average over the passes counted
 
-    def _seed(self, n: int) -> float:
+    def _basis(self, n: int) -> float:
         if not self.curve:
             return float(n)
-        ws = sorted(self.curve)
         if n in self.curve:
             return self.curve[n]
-        lo = max((w for w in ws if w < n), default=ws[0])
+        ws = sorted(self.curve)
+        lo = max((w for w in ws if w < n), default=None)
         hi = min((w for w in ws if w > n), default=None)
-        if hi is None:  # past the widest width: the slope of the last two
+        if lo is None:
+            return self.curve[ws[0]]
+        if hi is None:  # past the last point: its slope from the one before
             a, b = (ws[-2], ws[-1]) if len(ws) > 1 else (ws[-1], ws[-1])
             slope = (self.curve[b] - self.curve[a]) / (b - a) if b > a else 0.0
             return self.curve[b] + slope * (n - b)
@@ -86,15 +92,18 @@ class PassCosts:
         return self.curve[lo] + t * (self.curve[hi] - self.curve[lo])
 
     def __call__(self, n: int) -> float:
-        return self.seen.get(n, self._seed(n) * self.ratio)
+        return self.seen.get(n, self._basis(n) * self.ratio)
 
     def observe(self, n: int, ms: float) -> None:
         if ms <= 0:
             return
+        if n not in self.warm:
+            self.warm.add(n)
+            return
         old = self.seen.get(n)
         self.seen[n] = ms if old is None else old + self.weight * (ms - old)
         if self.curve:
-            self.ratio += self.weight * (ms / self._seed(n) - self.ratio)
+            self.ratio += self.weight * (ms / self._basis(n) - self.ratio)
 
 
 class BatchRunner:
@@ -130,12 +139,16 @@ class BatchRunner:
         self.passes = {"batched": 0, "rows": 0, "single": 0, "slots": 0}  # counts, for tests and metrics
 
     def measure_passes(self, widest: int, repeats: int = 3) -> None:
-        """Measure T(n) for n = slots … slots × ``widest`` (the passes the joint choice can
-        make), each the median of ``repeats`` runs after one unmeasured run (a new shape's first
-        run sets up buffers). Runs on rows whose caches are empty: it writes only positions no
-        cache has committed. A few hundred milliseconds, once."""
+        """The pass cost table's basis on this device: T(n) at a few n between ``slots`` (every
+        request one token) and ``slots`` × ``widest`` (every request its widest pass), each the
+        median of ``repeats`` runs after one uncounted run, the rest interpolated (``PassCosts``).
+        Runs on rows whose caches are empty: it writes only positions no cache has committed.
+        About a second, once."""
         p = self.slots_pass.slots
-        for n in range(p, p * widest + 1):
+        points = sorted({n for n in (p, p + 1, p + 2, p + 4, 2 * p, 3 * p, 4 * p, 6 * p, p * widest)
+                         if p <= n <= p * widest})
+        table = {}
+        for n in points:
             widths = [n // p + (1 if j < n % p else 0) for j in range(p)]
             jobs = [(j, 0, np.zeros(w, dtype=np.int64)) for j, w in enumerate(widths)]
             times = []
@@ -143,9 +156,11 @@ class BatchRunner:
                 t = time.perf_counter()
                 self.slots_pass.run(self._kv, jobs)
                 times.append((time.perf_counter() - t) * 1e3)
-            self.costs.seen[n] = float(np.median(times[1:]))
-        log.info("slots-graph pass costs (ms by tokens in the pass): %s",
-                 ", ".join(f"{n}: {ms:.1f}" for n, ms in sorted(self.costs.seen.items())))
+            table[n] = float(np.median(times[1:]))
+        self.costs = PassCosts(table)
+        self.costs.warm.update(points)
+        log.info("slots-graph pass costs on this device (ms by tokens in the pass): %s",
+                 ", ".join(f"{n}: {ms:.1f}" for n, ms in sorted(table.items())))
 
     def _open_slots(self):
         """The slots graph's session (None, with the reason logged, where it cannot be had)."""

@@ -299,14 +299,14 @@ def test_a_graph_that_is_not_the_fused_one_is_refused_by_the_rewrite(tiny_engine
 def test_pass_costs_start_from_measurements_and_the_width_curve():
     from dspark_edge.batching import PassCosts
 
-    costs = PassCosts({1: 10.0, 2: 12.0, 4: 14.0})
+    costs = PassCosts({1: 10.0, 2: 12.0, 4: 14.0})  # measured when the slots graph opened
     assert costs(3) == pytest.approx(13.0) and costs(6) == pytest.approx(16.0)  # interpolated, extended
-    costs.seen[5] = 20.0  # measured when the slots graph opened
-    assert costs(5) == 20.0
+    costs.observe(5, 99.0)  # a shape's first pass is not counted
+    assert costs(5) == pytest.approx(15.0)
+    costs.observe(5, 20.0)
     costs.observe(5, 30.0)
     assert 20.0 < costs(5) < 30.0  # a moving average of the passes run
-    costs.observe(4, 28.0)  # passes at twice the curve: unmeasured widths follow
-    assert costs(6) > 16.0
+    assert costs(8) > 18.0  # passes dearer than the curve: the n's not run follow
     assert PassCosts()(7) == 7.0  # nothing known: every token costs a pass's share, drafts never pay
 
 
