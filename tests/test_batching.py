@@ -349,3 +349,21 @@ def test_sampled_answers_of_batched_drafts_follow_the_target_distribution(tiny_w
                 return type("R", (), {"token_ids": answers[seed]})()
 
         assert not _chi2_rejects(Replay(), prompt, exact, n, top_k)
+
+
+def test_a_runner_without_the_slots_graph_says_why_and_batches_width_1(tiny_engine, monkeypatch, caplog):
+    from dspark_edge.backends import slots as slots_module
+    from dspark_edge.errors import EngineError
+
+    def refuse(*a, **k):
+        raise EngineError("not the fused graph a batched server can split by request")
+
+    monkeypatch.setattr(slots_module, "rewrite", refuse)
+    with dspark_edge.load(tiny_engine, "fp32", drafter="ngram") as pipe:
+        want = [pipe.generate(p, max_new_tokens=16, ignore_eos=True).token_ids for p in PROMPTS[:2]]
+        with caplog.at_level("WARNING", logger="dspark_edge.batching"):
+            slots = pipe.batch_slots(2, gather_s=0.5)
+        runner = slots[0]._slot[0]
+        assert not runner.joint and "verify no drafts: not the fused graph" in caplog.text
+        got = _run_all(slots, [(i, p, {"max_new_tokens": 16, "ignore_eos": True}) for i, p in enumerate(PROMPTS[:2])])
+        assert got == want and runner.passes["slots"] == 0

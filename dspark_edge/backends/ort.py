@@ -275,6 +275,16 @@ class OrtDecoder:
                  self.capacity, io.kv_layout, self.device)
 
     @property
+    def kv_names(self) -> list[tuple[str, str]]:
+        """(past, present) names of the graph's K/V tensors, in the order of a cache's buffers."""
+        return list(self._kv_names)
+
+    @property
+    def hidden_width(self) -> int:
+        """Columns of the hidden-state output (0: the graph has none)."""
+        return self._hidden_width
+
+    @property
     def _buffer_shape(self) -> tuple[int, ...]:
         """The shape of one K or V buffer of a cache of this session."""
         if self.layout is not None:

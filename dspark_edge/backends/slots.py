@@ -161,7 +161,7 @@ class SlotsDecoder:
     def __init__(self, decoder, slots: int) -> None:
         import onnx
 
-        from .ort import _import_ort, open_session
+        from .ort import open_session
 
         self.decoder, self.slots = decoder, slots
         io, model = decoder.io, decoder.model
@@ -173,14 +173,13 @@ class SlotsDecoder:
             raise EngineError(f"cannot read {decoder.path} to split its attention by request: {exc}") from exc
         graph = rewrite(proto, io, model.num_layers, slots)
         folder = str(Path(decoder.path).resolve().parent)
-        _import_ort()
         # Two sessions take turns on the same cores: without the process-wide pool, this one's
         # threads must not spin after its pass and slow the engine's next one.
         options = decoder.options if decoder.options.shared_threads else replace(decoder.options, allow_spinning=False)
         self.session = open_session(graph.SerializeToString(), options, initializers=decoder.initializers,
                                     external_folder=folder, label=f"{decoder.path} ({slots} slots)")
         self.kv_dtype = decoder.kv_dtype
-        self._kv_names = decoder._kv_names
+        self._kv_names = decoder.kv_names
         self._scratch = [np.zeros((1, model.num_kv_heads, 1, model.head_dim), dtype=self.kv_dtype)
                          for _ in self._kv_names]
         log.info("opened the %d-slot graph of %s (one pass verifies several requests)", slots, decoder.path)
@@ -211,7 +210,7 @@ class SlotsDecoder:
                 b.bind_input(_slot_name(past, j), "cpu", 0, self.kv_dtype, dims, ptr)
                 b.bind_output(_slot_name(present, j), "cpu", 0, self.kv_dtype, dims, ptr)
         logits = np.empty((1, n, d.model.vocab_size), dtype=np.float32)
-        hidden = np.empty((1, n, d._hidden_width), dtype=np.float32) if d._hidden_width else None
+        hidden = np.empty((1, n, d.hidden_width), dtype=np.float32) if d.hidden_width else None
         b.bind_output(d.io.logits, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         if hidden is not None:
             b.bind_output(d.io.hidden_states, "cpu", 0, np.float32, list(hidden.shape), hidden.ctypes.data)
