@@ -94,7 +94,7 @@ def open_session(path: str | bytes, options: BackendOptions, qdq: bool = False,
                  label: str | None = None):
     """An InferenceSession for ``path`` (or a serialized graph, whose external weight files are
     in ``external_folder``) with the options' threads, spinning and providers. ``label`` names
-    the graph in errors (default: ``path``).
+    the graph in errors (default: ``path``, or "a serialized graph" for bytes).
 
     ``initializers``: arrays that replace the graph's initializers of those names on the CPU
     provider (onnxruntime computes with the caller's memory; the session keeps a reference).
@@ -128,7 +128,8 @@ def open_session(path: str | bytes, options: BackendOptions, qdq: bool = False,
     try:
         session = ort.InferenceSession(path, so, providers=providers, provider_options=provider_options)
     except Exception as exc:  # onnxruntime raises several unrelated types here
-        raise EngineError(f"onnxruntime could not load {label or path}: {exc}. The file may be truncated or "
+        name = label or (path if isinstance(path, str) else "a serialized graph")
+        raise EngineError(f"onnxruntime could not load {name}: {exc}. The file may be truncated or "
                           "corrupted, or need a newer onnxruntime; re-export the engine folder") from exc
     check_created_providers(providers, session.get_providers(), options.fallback_to_cpu)
     session.dspark_initializers = (initializers, values)  # the memory the session computes with
