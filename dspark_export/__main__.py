@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --data and --init-from: train on the file's answers from index N on (the answers "
                          "earlier runs trained on are skipped, their features never computed); the held-out "
                          "answers are validated wherever they sit (default: 0, every answer)")
+    tr.add_argument("--data-to", type=int, default=None, metavar="M",
+                    help="with --data: ... and up to index M (exclusive), held-out answers drawn from those before M "
+                         "only: a file larger than one run can use is trained on a slice a run (default: its end)")
     tr.add_argument("--layers", type=int, default=2, help="backbone layers (default: %(default)s)")
     tr.add_argument("--slots", type=int, default=7, help="drafts per block (default: %(default)s)")
     tr.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default: %(default)s)")
@@ -198,7 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "`train-drafter --answers` and `ngram-table --answers` reuse instead of "
                                     "generating the answers again.")
     an.add_argument("--target", type=Path, required=True, help="the target's engine folder the answers belong to")
-    an.add_argument("--work", type=Path, required=True, help="train-drafter work folder")
+    what = an.add_mutually_exclusive_group(required=True)
+    what.add_argument("--work", type=Path, help="train-drafter work folder")
+    what.add_argument("--merge", type=Path, nargs="+", metavar="FILE",
+                      help="answers files to join, in this order (an answer whose prompt an earlier one has is "
+                           "dropped); the old campaign file first keeps train-drafter --data-from's indices")
     an.add_argument("--output", type=Path, required=True, help="file to write (.npz)")
     an.add_argument("-v", "--verbose", action="store_true", help="log details")
 
@@ -221,7 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="copy tasks among the prompts (default: %(default)s)")
     da.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: %(default)s)")
     da.add_argument("--batch", type=int, default=32, help="prompts per batched pass (default: %(default)s)")
-    da.add_argument("--threads", type=int, default=None, help="onnxruntime threads (default: one per CPU core)")
+    da.add_argument("--per-shard", type=int, default=256, help="prompts per resumable shard (default: %(default)s)")
+    da.add_argument("--backend", choices=("genai", "torch"), default="genai",
+                    help="genai: onnxruntime-genai over the engine's FP32 graph (the runtime's own answers); torch: "
+                         "the engine's source model in PyTorch FP32 on --device, e.g. a CUDA GPU (default: "
+                         "%(default)s)")
+    da.add_argument("--device", default="cpu", help="with --backend torch: cpu, cuda or cuda:N (default: %(default)s)")
+    da.add_argument("--source", default="default",
+                    help="with --backend torch: the model the engine was exported from, as export target's --source "
+                         "(checked against the manifest; default: %(default)s)")
+    da.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per CPU core)")
     da.add_argument("--seed", type=int, default=0, help="prompt order and sampling seed (default: %(default)s)")
     da.add_argument("-v", "--verbose", action="store_true", help="log details")
 
@@ -281,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                 target_engine=args.target, output=args.output, work=args.work, source=args.source,
                 prompts=args.prompts, max_new_tokens=args.max_new_tokens, text_tokens=args.text_tokens,
                 copy_prompts=args.copy_prompts, answers=args.answers, data=args.data, data_from=args.data_from,
+                data_to=args.data_to,
                 layers=args.layers, slots=args.slots,
                 draft_vocab=args.draft_vocab, markov_rank=args.markov_rank, steps=args.steps, lr=args.lr,
                 mask_token_id=args.mask_token_id, bf16=args.bf16, init_from=args.init_from),
@@ -314,9 +331,12 @@ def main(argv: list[str] | None = None) -> int:
                             calibrate=not args.no_calibration, answers=args.answers)
             return 0
         if args.command == "answers":
-            from .answers import pack_answers
+            from .answers import merge_answers, pack_answers
 
-            pack_answers(args.target, args.work, args.output, progress)
+            if args.merge:
+                merge_answers(args.target, args.merge, args.output, progress)
+            else:
+                pack_answers(args.target, args.work, args.output, progress)
             return 0
         if args.command == "data":
             from .data_engine import DataOptions, run
@@ -324,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             run(DataOptions(target_engine=args.target, work=args.work, answers=args.answers, output=args.output,
                             prompts=args.prompts,
                             copy_prompts=args.copy_prompts, max_new_tokens=args.max_new_tokens, batch=args.batch,
-                            threads=args.threads, seed=args.seed), progress)
+                            threads=args.threads, seed=args.seed, per_shard=args.per_shard, backend=args.backend,
+                            device=args.device, source=args.source), progress)
             return 0
         if args.command == "drafter":
             from .drafter.install import install_drafter

@@ -99,6 +99,56 @@ def pack_answers(target: Path, work: Path, output: Path, progress=print) -> Path
     return output
 
 
+def merge_answers(target: Path, files: list[Path], output: Path, progress=print) -> Path:
+    """Write the answers of ``files`` (answers files of ``target``'s model, one answer cap) to
+    ``output``, in the order given, each file's answers in its own order; an answer whose prompt
+    an earlier one already has is dropped, so no prompt is both trained on and held out. The
+    order matters: ``train-drafter --data-from N`` names the answers a run has not trained on by
+    index, so a grown campaign file lists the old file first."""
+    manifest = read_manifest(target)
+    if len(files) < 2:
+        raise ExportError("--merge takes two or more answers files")
+    parts = [load_answers(Path(f), manifest) for f in files]
+    caps = {int(p.meta.get("max_new_tokens", -1)) for p in parts}
+    if len(caps) > 1:
+        raise ExportError(f"the files hold answers of different caps ({sorted(caps)} tokens); merge files written "
+                          "with one --max-new-tokens")
+    seen: set[bytes] = set()
+    seqs, prompt_lens, kinds, sources = [], [], [], []
+    for path, part in zip(files, parts):
+        kept = dropped = 0
+        for i in range(len(part)):
+            a, b, plen = int(part.offsets[i]), int(part.offsets[i + 1]), int(part.prompt_lens[i])
+            key = part.tokens[a:a + plen].astype(np.int64).tobytes()
+            if key in seen:
+                dropped += 1
+                continue
+            seen.add(key)
+            seqs.append(part.tokens[a:b])
+            prompt_lens.append(plen)
+            kinds.append(int(part.kinds[i]))
+            kept += 1
+        sources.append({"file": Path(path).name, "first": len(seqs) - kept, "answers": kept,
+                        "duplicates_dropped": dropped, "made_by": part.meta.get("made_by", "python -m export answers")})
+        progress(f"{path}: {kept} answers at {len(seqs) - kept}–{len(seqs) - 1}"
+                 + (f", {dropped} whose prompt came earlier dropped" if dropped else ""))
+    dtype = np.uint16 if manifest.model.vocab_size <= 2**16 else np.int32
+    answer_tokens = int(sum(len(s) for s in seqs) - sum(prompt_lens))
+    counts = {k: kinds.count(i) for i, k in enumerate(KINDS)}
+    meta = {"format": FORMAT, "model": manifest.model.name, "source_sha256": manifest.model.source_sha256,
+            "tokenizer_sha256": manifest.file_entry(manifest.tokenizer.file).sha256, "max_new_tokens": caps.pop(),
+            "answers": counts, "answer_tokens": answer_tokens, "parts": sources, "command": export_command(),
+            "made_by": "; ".join(f"{s['made_by']} ({s['answers']} from {s['first']})" for s in sources)}
+    with replacing_file(output) as tmp:
+        np.savez_compressed(tmp, meta=np.asarray(json.dumps(meta, sort_keys=True)),
+                            tokens=np.concatenate(seqs).astype(dtype),
+                            offsets=np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64),
+                            prompt_lens=np.asarray(prompt_lens, dtype=np.int32), kinds=np.asarray(kinds, dtype=np.int8))
+    progress(f"wrote {output}: {len(seqs)} answers ({', '.join(f'{v} {k}' for k, v in counts.items())}), "
+             f"{answer_tokens} answer tokens, {output.stat().st_size / 1e6:.2f} MB")
+    return output
+
+
 def load_answers(path: Path, manifest: Manifest, max_new_tokens: int | None = None) -> Answers:
     """The answers in ``path``, checked against the engine's model and tokenizer (and the answer
     length cap when given); an ExportError naming the mismatch otherwise."""

@@ -2,9 +2,16 @@
 
 A drafter learns to predict what the target says, so its training data is the target's own
 greedy answers; the number of answers is what limits a drafter trained on this project's CPU.
-This engine writes them in batches through onnxruntime-genai over the engine's own FP32 graph
-(the graph the runtime verifies with, so a batched answer is the answer the runtime gives one
-prompt at a time; a test checks it), in resumable shards of token ids.
+This engine writes them in batches, in resumable shards of token ids, on one of two backends:
+
+- ``genai`` (default): onnxruntime-genai over the engine's own FP32 graph (the graph the runtime
+  verifies with, so a batched answer is the answer the runtime gives one prompt at a time; a
+  test checks it);
+- ``torch``: the engine's source model in PyTorch, FP32 (TF32 off), on ``--device`` (``cuda`` on
+  a machine with an NVIDIA GPU: tens of thousands of answers in minutes). The model must be the
+  one the engine was exported from (its sha256 is checked against the manifest's). Its answers
+  are the same model's greedy answers computed in another order of sums, so a near-tie can break
+  the other way; the work folder records the backend and never mixes the two.
 
 Prompts, in this order (none of them the benchmark prompts, ``dspark_edge/data/prompts.jsonl``):
 
@@ -58,6 +65,10 @@ Progress = Callable[[str], None]
 MAX_WORDS = 120
 MIN_WORDS = 3
 MAX_FRUITLESS = 8  # batches of self-written messages in a row with none kept before giving up
+BACKENDS = ("genai", "torch")
+MADE_BY = {"genai": "python -m export data (onnxruntime-genai, batched greedy over the engine's FP32 graph)",
+           "torch": "python -m export data --backend torch (PyTorch FP32, batched greedy over the engine's source "
+                    "model)"}
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,9 @@ class DataOptions:
     threads: int | None = None
     seed: int = 0
     output: Path | None = None
+    backend: str = "genai"  # "genai" | "torch"
+    device: str = "cpu"  # torch only: "cpu", "cuda", "cuda:N"
+    source: str = "default"  # torch only: the engine's source model (export's --source)
 
     def __post_init__(self) -> None:
         for name in ("answers", "max_new_tokens", "batch", "per_shard", "magpie_tokens"):
@@ -84,6 +98,8 @@ class DataOptions:
         for name in ("prompts", "copy_prompts"):
             if (getattr(self, name) or 0) < 0:
                 raise ExportError(f"--{name.replace('_', '-')} must be 0 (none) or more, got {getattr(self, name)}")
+        if self.backend not in BACKENDS:
+            raise ExportError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not 0 < self.temperature <= 2 or not 0 < self.top_p <= 1:
             raise ExportError(f"--temperature must be in (0, 2] and --top-p in (0, 1], got {self.temperature} "
                               f"and {self.top_p}")
@@ -203,6 +219,98 @@ class BatchedTarget:
         """``rows`` sampled continuations of one prefix (one draw of the generator's seeded RNG)."""
         return self._run([prefix] * rows, max_new, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
                          random_seed=seed)
+
+
+class TorchTarget:
+    """The engine's source model in PyTorch, FP32 with TF32 off, on ``device``: the calls of
+    ``BatchedTarget``. Prompts are left-padded under an attention mask, from which the model
+    takes each row's positions, so a row's answer does not depend on the others (up to the order
+    of sums)."""
+
+    def __init__(self, engine_dir: Path, manifest: Manifest, source: str = "default", device: str = "cpu",
+                 threads: int | None = None) -> None:
+        try:
+            import torch
+        except ImportError as exc:
+            raise ExportError("--backend torch needs PyTorch (pip install torch==2.13.0 for the CPU build; the "
+                              "build of your CUDA on a GPU machine)") from exc
+        from .sources import load_source, resolve_source, source_digest
+
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ExportError(f"--device {device}: this PyTorch sees no CUDA GPU (torch {torch.__version__}); "
+                              "use --device cpu, or a CUDA build of PyTorch on a machine with an NVIDIA GPU")
+        src = resolve_source(source)
+        digest = source_digest(src)
+        if manifest.model.source_sha256 and digest != manifest.model.source_sha256:
+            raise ExportError(f"{src.description} (sha256 {digest[:16]}…) is not the model {engine_dir} was exported "
+                              f"from (sha256 {manifest.model.source_sha256[:16]}…); pass that model as --source")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        if threads:
+            torch.set_num_threads(int(threads))
+        self._torch = torch
+        m = manifest.model
+        self.vocab = m.vocab_size
+        self.eos_ids = frozenset(int(t) for t in manifest.tokenizer.eos_ids)
+        self.pad = m.vocab_size - 1  # as BatchedTarget: a prompt holding it is not batched
+        self.context = min(m.max_position_embeddings, 4096)
+        self.device = device
+        model, _ = load_source(src)
+        self._model = model.to(device)
+
+    def close(self) -> None:
+        self._model = None
+        if self.device.startswith("cuda"):
+            self._torch.cuda.empty_cache()
+
+    def __enter__(self) -> "TorchTarget":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    usable = BatchedTarget.usable
+
+    def _run(self, rows: list[list[int]], max_new: int, **search) -> list[list[int]]:
+        torch = self._torch
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+        with torch.inference_mode():
+            seqs = self._model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                        max_new_tokens=max_new, min_new_tokens=1, pad_token_id=self.pad,
+                                        eos_token_id=sorted(self.eos_ids), num_beams=1, use_cache=True,
+                                        **search).cpu().numpy()
+        out = []
+        for i in range(len(rows)):
+            new = [int(t) for t in seqs[i, width:]]
+            ends = [j for j, t in enumerate(new) if t in self.eos_ids]
+            out.append(new[:ends[0] + 1] if ends else new[:max_new])
+        return out
+
+    def greedy(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        """Each prompt's greedy answer: at most ``max_new`` tokens, ending with EOS when it ended."""
+        for p in prompts:
+            if not self.usable(p, max_new):
+                raise ExportError(f"a prompt of {len(p)} tokens holds the pad id {self.pad} or leaves no room for "
+                                  f"{max_new} new tokens in {self.context} positions")
+        return self._run(prompts, max_new, do_sample=False, temperature=None, top_p=None, top_k=None)
+
+    def sample(self, prefix: list[int], rows: int, max_new: int, temperature: float, top_p: float,
+               seed: int) -> list[list[int]]:
+        """``rows`` sampled continuations of one prefix, drawn from a generator seeded with ``seed``."""
+        self._torch.manual_seed(seed)
+        return self._run([prefix] * rows, max_new, do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+
+
+def open_target(engine_dir: Path, manifest: Manifest, opts: DataOptions) -> BatchedTarget | TorchTarget:
+    """The backend ``opts`` names, over ``engine_dir``'s model."""
+    if opts.backend == "torch":
+        return TorchTarget(engine_dir, manifest, opts.source, opts.device, opts.threads)
+    return BatchedTarget(engine_dir, manifest, opts.threads)
 
 
 # -- self-written user messages (Magpie) ---------------------------------------------------------
@@ -361,7 +469,8 @@ def engine_identity(manifest: Manifest, engine_dir: Path, opts: DataOptions) -> 
     return {"model": manifest.model.name, "source_sha256": manifest.model.source_sha256,
             "tokenizer_sha256": manifest.file_entry(manifest.tokenizer.file).sha256,
             "graph_sha256": manifest.file_entry(variant.file).sha256, "max_new_tokens": opts.max_new_tokens,
-            "seed": opts.seed, "prompts": opts.prompts, "copy_prompts": opts.copy_prompts}
+            "seed": opts.seed, "prompts": opts.prompts, "copy_prompts": opts.copy_prompts,
+            **({"backend": "torch"} if opts.backend == "torch" else {})}  # genai folders predate the key
 
 
 def check_work(work: Path, identity: dict) -> None:
@@ -374,7 +483,7 @@ def check_work(work: Path, identity: dict) -> None:
         before = json.loads(marker.read_text())
     except (OSError, ValueError) as exc:
         raise ExportError(f"{marker} is damaged ({exc}); delete {work} to start again") from exc
-    diff = sorted(k for k in identity if before.get(k) != identity[k])
+    diff = sorted(k for k in {*identity, *before} if before.get(k) != identity.get(k))
     if diff == ["graph_sha256"]:
         # The same source model, tokenizer and options in a graph written another way (a newer
         # exporter): the FP32 answers are the same model's, so the work goes on with it.
@@ -429,7 +538,7 @@ def run(opts: DataOptions, progress: Progress = print) -> dict:
     prefix = user_turn_prefix(tokenizer)
     fixed = list(_fixed_prompts(tokenizer, opts))
     fruitless = 0
-    with BatchedTarget(engine, manifest, opts.threads) as target:
+    with open_target(engine, manifest, opts) as target:
         while done < opts.answers:
             end = min(done + opts.per_shard, opts.answers)
             while len(records) < end:
@@ -474,7 +583,7 @@ def run(opts: DataOptions, progress: Progress = print) -> dict:
     return _finish(opts, manifest, stats, progress)
 
 
-def _magpie_batch(target: BatchedTarget, tokenizer, prefix: list[int], filt: MessageFilter, opts: DataOptions,
+def _magpie_batch(target: BatchedTarget | TorchTarget, tokenizer, prefix: list[int], filt: MessageFilter, opts: DataOptions,
                   index: int, stats: dict) -> list[dict]:
     """One batch of self-written user messages, filtered; seeded by the prompt index it starts at,
     so a resumed run draws what an uninterrupted one would have."""
@@ -540,7 +649,7 @@ def pack(work: Path, manifest: Manifest, opts: DataOptions, progress: Progress =
             "source_sha256": manifest.model.source_sha256, "tokenizer_sha256": identity["tokenizer_sha256"],
             "graph_sha256": identity["graph_sha256"], "max_new_tokens": identity["max_new_tokens"],
             "answers": counts, "answer_tokens": answer_tokens, "command": export_command(),
-            "made_by": "python -m export data (onnxruntime-genai, batched greedy over the engine's FP32 graph)"}
+            "made_by": MADE_BY[identity.get("backend", "genai")]}
     output = Path(opts.output)
     with replacing_file(output) as tmp:
         np.savez_compressed(tmp, meta=np.asarray(json.dumps(meta, sort_keys=True)),

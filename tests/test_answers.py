@@ -11,7 +11,7 @@ import pytest
 from dspark_edge.drafters import NgramTable
 from dspark_edge.errors import ExportError
 from dspark_edge.manifest import read_manifest
-from dspark_export.answers import KINDS, load_answers, pack_answers
+from dspark_export.answers import KINDS, load_answers, merge_answers, pack_answers
 
 
 def _shard(folder, sequences, index=0):
@@ -48,6 +48,30 @@ def test_pack_and_load_keep_every_answer_in_order(engine_copy, tmp_path):
     assert got.tokens.dtype == np.uint16  # the embedded default's vocabulary fits
     assert got.by_prompt()[(1, 6)] == [30, 31, 2]
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+def test_merged_files_keep_their_order_and_drop_a_prompt_seen_before(engine_copy, tmp_path):
+    first = pack_answers(engine_copy, _work(tmp_path), tmp_path / "a.npz", progress=lambda m: None)
+    other = tmp_path / "other"
+    _shard(other / "data", [([1, 6], [99, 2]), ([1, 4, 4], [50, 51, 2])])  # (1, 6) is in the first file
+    _shard(other / "copy", [([1, 3], [3, 2])])
+    (other / "options.json").write_text(json.dumps({"max_new_tokens": 192}))
+    second = pack_answers(engine_copy, other, tmp_path / "b.npz", progress=lambda m: None)
+    said: list[str] = []
+    out = merge_answers(engine_copy, [first, second], tmp_path / "ab.npz", progress=said.append)
+    got = load_answers(out, read_manifest(engine_copy), max_new_tokens=192)
+    assert [got.pair(i) for i in range(len(got))] == PROMPTS + COPY + [([1, 4, 4], [50, 51, 2]), ([1, 3], [3, 2])]
+    assert [KINDS[k] for k in got.kinds] == ["prompt"] * 3 + ["copy", "prompt", "copy"]
+    parts = got.meta["parts"]
+    assert [(p["first"], p["answers"], p["duplicates_dropped"]) for p in parts] == [(0, 4, 0), (4, 2, 1)]
+    assert any("1 whose prompt came earlier dropped" in m for m in said)
+    (other / "options.json").write_text(json.dumps({"max_new_tokens": 64}))
+    capped = pack_answers(engine_copy, other, tmp_path / "c.npz", progress=lambda m: None)
+    with pytest.raises(ExportError, match="different caps"):
+        merge_answers(engine_copy, [first, capped], tmp_path / "x.npz", progress=lambda m: None)
+    with pytest.raises(ExportError, match="two or more"):
+        merge_answers(engine_copy, [first], tmp_path / "x.npz", progress=lambda m: None)
+    assert not (tmp_path / "x.npz").exists()
 
 
 def test_answers_of_another_model_or_cap_are_refused(engine_copy, tmp_path):

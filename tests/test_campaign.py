@@ -122,12 +122,37 @@ def test_a_run_on_the_new_answers_only_keeps_the_held_out_set(tiny_engine, tiny_
     assert last["held_out_answers"] == len(held) == _curve(full)[-1]["held_out_answers"]
     assert last["train_answers"] == len([i for i in range(10, 14) if i not in held])
     meta = json.loads((new / "drafter.json").read_text())
-    assert "from index 10 on" in meta["training"]["data"] or "from index 10 on" in json.dumps(meta)
+    assert "trained on those at 10–13" in json.dumps(meta, ensure_ascii=False)
     for bad in (14, -1):
         with pytest.raises(ExportError, match="--data-from"):
             _train(tiny_engine, tiny_hf, large, tmp_path / "wb", tmp_path / "db", init_from=first, data_from=bad)
     with pytest.raises(ExportError, match="without --data"):
         _train(tiny_engine, tiny_hf, None, tmp_path / "wb", tmp_path / "db", data_from=3)
+
+
+def test_a_slice_of_the_answers_draws_its_held_out_set_before_its_end(tiny_engine, tiny_hf, recorded, tmp_path):
+    """--data-to M: features for answers N…M-1 and the held-out ones before M; the held-out set is
+    the one a run over the first M answers validates on (the stable draw), so a later, larger
+    slice keeps it."""
+    from dspark_export.drafter.data import count_sequences
+    from dspark_export.drafter.train import HELD_OUT, split
+
+    small, large = recorded
+    first, _ = _train(tiny_engine, tiny_hf, small, tmp_path / "w1", tmp_path / "d1")
+    sliced, msgs = _train(tiny_engine, tiny_hf, large, tmp_path / "ws", tmp_path / "ds", steps=2, init_from=first,
+                          data_from=4, data_to=12)
+    held = json.loads((tmp_path / "ws" / HELD_OUT).read_text())["held_out"]
+    assert held == split(None, answers=12)[1].tolist() and all(i < 12 for i in held)
+    assert set(held) <= set(split(None, answers=14)[1].tolist())  # a larger slice keeps them held out
+    assert any(f"answers 4–11 and the {len(held)} held-out answers before 12" in m for m in msgs), msgs
+    chosen = sorted(set(held) | set(range(4, 12)))
+    assert count_sequences(sorted((tmp_path / "ws" / "answers").glob("shard-*.npz"))) == len(chosen)
+    assert _curve(sliced)[-1]["train_answers"] == len([i for i in range(4, 12) if i not in held])
+    for kw, words in (({"data_from": 4, "data_to": 4}, "exceed --data-from"), ({"data_to": 15}, "holds 14 answers")):
+        with pytest.raises(ExportError, match=words):
+            _train(tiny_engine, tiny_hf, large, tmp_path / "wb", tmp_path / "db", init_from=first, **kw)
+    with pytest.raises(ExportError, match="must come with --data"):
+        _train(tiny_engine, tiny_hf, None, tmp_path / "wb", tmp_path / "db", data_to=3)
 
 
 def test_data_and_answers_together_are_refused(tiny_engine, tmp_path):

@@ -190,3 +190,54 @@ def test_a_reexported_graph_of_the_same_model_continues_the_work(tmp_path):
     assert json.loads((tmp_path / "engine.json").read_text())["graph_sha256"] == "2" * 64
     with pytest.raises(ExportError, match="source_sha256"):
         check_work(tmp_path, {**ident, "graph_sha256": "3" * 64, "source_sha256": "b" * 64})
+
+
+def _torch_answers(engine, source, messages, max_new):
+    from dspark_export.data_engine import TorchTarget
+
+    manifest = read_manifest(engine)
+    tok = Tokenizer.from_engine(engine, manifest)
+    with TorchTarget(engine, manifest, source=str(source)) as target:
+        return target.greedy([tok.encode_chat(m) for m in messages], max_new)
+
+
+def test_torch_backend_answers_equal_the_runtimes(tiny_engine, tiny_hf):
+    # Left-padded rows of five lengths in one PyTorch batch: each row's answer is the runtime's.
+    assert _torch_answers(tiny_engine, tiny_hf, MESSAGES, 24) == _runtime_answers(tiny_engine, MESSAGES, 24)
+
+
+def test_torch_backend_refuses_another_model_and_a_missing_gpu(tiny_engine, tmp_path):
+    import torch
+
+    from dspark_export.data_engine import TorchTarget
+    from tests.tiny_model import make_tiny_hf
+
+    other = make_tiny_hf(tmp_path / "other", seed=7)
+    with pytest.raises(ExportError, match="is not the model .* was exported from"):
+        TorchTarget(tiny_engine, read_manifest(tiny_engine), source=str(other))
+    if not torch.cuda.is_available():
+        with pytest.raises(ExportError, match="sees no CUDA GPU"):
+            TorchTarget(tiny_engine, read_manifest(tiny_engine), source=str(other), device="cuda")
+
+
+def test_torch_backend_run_packs_and_never_mixes_with_genai(tiny_engine, tiny_hf, tmp_path):
+    work, out = tmp_path / "work", tmp_path / "answers.npz"
+    opts = dict(target_engine=tiny_engine, work=work, prompts=6, copy_prompts=2, answers=8, max_new_tokens=8,
+                batch=4, per_shard=3)
+    stats = run(DataOptions(**opts, backend="torch", source=str(tiny_hf), output=out), progress=lambda s: None)
+    assert stats["answered_before"] == 0 and len(written(work)) == 3
+    assert json.loads((work / "engine.json").read_text())["backend"] == "torch"
+    loaded = load_answers(out, read_manifest(tiny_engine))
+    assert "PyTorch" in loaded.meta["made_by"] and len(loaded.prompt_lens) == 8
+    assert (np.diff(loaded.offsets) > loaded.prompt_lens).all()  # every prompt got an answer
+    with pytest.raises(ExportError, match="backend"):
+        run(DataOptions(**{**opts, "answers": 9}), progress=lambda s: None)  # genai into a torch folder
+
+
+def test_torch_backend_samples_are_seeded(tiny_engine, tiny_hf):
+    from dspark_export.data_engine import TorchTarget
+
+    with TorchTarget(tiny_engine, read_manifest(tiny_engine), source=str(tiny_hf)) as target:
+        a = target.sample([1, 5, 9], 4, 10, 1.0, 0.95, seed=3)
+        assert a == target.sample([1, 5, 9], 4, 10, 1.0, 0.95, seed=3)
+        assert len({tuple(r) for r in a}) > 1 and a != target.sample([1, 5, 9], 4, 10, 1.0, 0.95, seed=4)

@@ -39,6 +39,10 @@ class TrainDrafterOptions:
     answers: Path | None = None  # recorded answers (``python -m export answers``) to reuse
     data: Path | None = None  # an answers file to train on whole (the data engine's); nothing is generated
     data_from: int = 0  # with ``data``: train on its answers from this index on (earlier runs trained on the rest)
+    data_to: int | None = None  # with ``data``: ... up to this index (exclusive; None: the file's end); a
+    # campaign file larger than one run can use is trained on a slice a run, and held-out answers
+    # are drawn from the answers before this index only (the stable draw: a later, larger slice
+    # keeps every earlier held-out answer held out)
     layers: int = 2
     slots: int = 7
     draft_vocab: int = 8192
@@ -63,6 +67,8 @@ class TrainDrafterOptions:
         if self.data_from < 0 or (self.data_from and self.data is None):
             raise ExportError(f"--data-from picks the answers of a --data file to train on; got {self.data_from}"
                               + ("" if self.data is not None else " without --data"))
+        if self.data_to is not None and (self.data is None or self.data_to <= self.data_from):
+            raise ExportError(f"--data-to {self.data_to} must come with --data and exceed --data-from {self.data_from}")
         if self.data is not None and self.answers is not None:
             raise ExportError("--data trains on every answer of its file and generates none; --answers (answers "
                               "to reuse while generating the rest) does not apply with it: pass one of them")
@@ -260,11 +266,15 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
         if opts.data_from >= len(recorded):
             raise ExportError(f"--data-from {opts.data_from}: {opts.data} holds {len(recorded)} answers; pass an "
                               "index below that (the first answer not trained on yet)")
-        if opts.data_from:
-            held = recorded_split(None, opts.work, len(recorded), seed=opts.seed)[1]
-            chosen = np.union1d(held, np.arange(opts.data_from, len(recorded)))
-            progress(f"[2/4] the engine's features for answers {opts.data_from}–{len(recorded) - 1} and the "
-                     f"{len(held)} held-out answers of {opts.data} ({len(chosen)} of {len(recorded)}; resumable)")
+        end = len(recorded) if opts.data_to is None else opts.data_to
+        if end > len(recorded):
+            raise ExportError(f"--data-to {end}: {opts.data} holds {len(recorded)} answers; pass at most that")
+        if opts.data_from or end < len(recorded):
+            held = recorded_split(None, opts.work, end, seed=opts.seed)[1]
+            chosen = np.union1d(held, np.arange(opts.data_from, end))
+            progress(f"[2/4] the engine's features for answers {opts.data_from}–{end - 1} and the "
+                     f"{len(held)} held-out answers before {end} of {opts.data} ({len(chosen)} of {len(recorded)}; "
+                     "resumable)")
         else:
             progress(f"[2/4] the engine's features for the {len(recorded)} answers in {opts.data} (resumable)")
         picked = range(len(recorded)) if chosen is None else chosen.tolist()
@@ -273,7 +283,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
         counts = ", ".join(f"{v} {k}" for k, v in recorded.meta.get("answers", {}).items())
         data_note = (f"the target's greedy answers recorded in {opts.data.name} ({counts}; made by "
                      f"{recorded.meta.get('made_by', 'python -m export answers')}"
-                     + ("" if chosen is None else f"; trained on those from index {opts.data_from} on")
+                     + ("" if chosen is None else f"; trained on those at {opts.data_from}–{end - 1}")
                      + ") and its FP32 engine's teacher-forced features")
     else:
         prompts = training_prompts(opts.seed)
