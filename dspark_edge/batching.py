@@ -112,7 +112,8 @@ class BatchRunner:
     buffer layout. Thread-safe: each slot is driven by one thread at a time."""
 
     def __init__(self, model, slots: int, gather_s: float = 0.02, verify_slots: bool = True,
-                 curve: dict[int, float] | None = None) -> None:
+                 curve: dict[int, float] | None = None, pass_costs: dict[int, float] | None = None,
+                 measure: bool = True) -> None:
         if model.backend != "onnxruntime" or not hasattr(model.session, "new_rows"):
             raise ConfigError("batching several requests needs the onnxruntime backend and the fused graph "
                               "(its shared K/V buffer); serve with --parallel 1 on this engine")
@@ -128,7 +129,11 @@ class BatchRunner:
         self.caches = [SlotCache(self.capacity, s) for s in range(slots)]
         self.slots_pass = self._open_slots() if verify_slots and slots > 1 else None
         self.costs = PassCosts(curve)
-        if self.slots_pass is not None:
+        self.costs_from = "scheduler"  # where the pass cost table's basis came from
+        if self.slots_pass is not None and pass_costs:
+            self.costs = PassCosts(pass_costs)  # the device profile's table for this many slots
+            self.costs_from = "profile"
+        elif self.slots_pass is not None and measure:
             self.measure_passes(max(model.widths))
         self.choices: dict[int, dict] = {}  # each offering slot's last joint choice, for its round's record
         self._cond = threading.Condition()
@@ -138,7 +143,7 @@ class BatchRunner:
         self._offers: dict[int, tuple[np.ndarray, int]] = {}  # slot -> (confidences, width alone)
         self.passes = {"batched": 0, "rows": 0, "single": 0, "slots": 0}  # counts, for tests and metrics
 
-    def measure_passes(self, widest: int, repeats: int = 3) -> None:
+    def measure_passes(self, widest: int, repeats: int = 3) -> dict[int, float]:
         """The pass cost table's basis on this device: T(n) at a few n between ``slots`` (every
         request one token) and ``slots`` × ``widest`` (every request its widest pass), each the
         median of ``repeats`` runs after one uncounted run, the rest interpolated (``PassCosts``).
@@ -159,8 +164,10 @@ class BatchRunner:
             table[n] = float(np.median(times[1:]))
         self.costs = PassCosts(table)
         self.costs.warm.update(points)
+        self.costs_from = "measured"
         log.info("slots-graph pass costs on this device (ms by tokens in the pass): %s",
                  ", ".join(f"{n}: {ms:.1f}" for n, ms in sorted(table.items())))
+        return table
 
     def _open_slots(self):
         """The slots graph's session (None, with the reason logged, where it cannot be had)."""

@@ -264,6 +264,16 @@ class Pipeline:
         twin._telemetry_of = self
         return twin
 
+    def _profiled_pass_costs(self, slots: int) -> dict[int, float] | None:
+        """The device profile's slots-pass cost table for ``slots`` requests at this precision
+        (None where the profile is missing, stale or has none: the runner measures it)."""
+        from .profile import load_profile
+
+        prof, status = load_profile(self.engine_dir)
+        if prof is None or status not in ("ok", "throttled"):
+            return None
+        return prof.slots_ms(self.target.precision, slots) or None
+
     def batch_slots(self, n: int, gather_s: float = 0.02, verify_slots: bool = True) -> list["Pipeline"]:
         """``n`` pipelines over this one's loaded target whose generations run concurrently, one
         thread each, their target passes batched (``dspark_edge.batching``): continuous batching
@@ -281,8 +291,9 @@ class Pipeline:
             raise ConfigError("batching needs a drafter per slot: load the pipeline with a drafter spec "
                               "(e.g. drafter='ngram'), not a Drafter object")
         curve = dict(self.scheduler.costs.verify_ms) if self.scheduler is not None else None
-        runner = BatchRunner(self.target, n, gather_s, verify_slots=verify_slots and self.drafter is not None,
-                             curve=curve)
+        verify_slots = verify_slots and self.drafter is not None
+        runner = BatchRunner(self.target, n, gather_s, verify_slots=verify_slots, curve=curve,
+                             pass_costs=self._profiled_pass_costs(n) if verify_slots else None)
         slots = []
         for i in range(n):
             drafter = self._drafter_factory() if self.drafter is not None else None

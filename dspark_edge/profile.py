@@ -40,12 +40,13 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "profiles"  # package data: prof
 
 @dataclass(frozen=True)
 class Timing:
-    role: str  # "target" | "drafter"
+    role: str  # "target" | "drafter" | "slots" (one pass of the slots graph: several requests' tokens)
     precision: str
-    width: int  # verify width, or the drafter's block size
+    width: int  # verify width, the drafter's block size, or the slots pass's tokens in all
     context: int  # committed positions before the pass
     median_ms: float
     p90_ms: float
+    slots: int = 0  # "slots" rows: the requests the graph was built for
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,12 @@ class DeviceProfile:
                               "`python -m dspark_edge profile`")
         depth = min({t.context for t in rows}, key=lambda d: abs(d - context))
         return {t.width: t.median_ms for t in rows if t.context == depth}
+
+    def slots_ms(self, precision: str, slots: int) -> dict[int, float]:
+        """T(n): median ms of one slots-graph pass over n tokens in all, for a graph of ``slots``
+        requests (empty when the profile has none for it)."""
+        return {t.width: t.median_ms for t in self.timings
+                if t.role == "slots" and t.precision == precision and t.slots == slots}
 
     def draft_ms(self, precision: str, block: int) -> float | None:
         rows = [t.median_ms for t in self.timings if t.role == "drafter" and t.precision == precision
@@ -165,7 +172,12 @@ def _time(fn, warmup: int, reps: int) -> tuple[float, float]:
 
 
 def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512), warmup: int = 3, reps: int = 9,
-                    progress=None) -> DeviceProfile:
+                    progress=None, slots: tuple[int, ...] = (2, 4, 8)) -> DeviceProfile:
+    """Time every target width and drafter block at each context depth and, for each count in
+    ``slots``, the pass cost table T(n) of a server batching that many requests (the slots graph
+    the batch runner verifies several requests' drafts with: ``BatchRunner.measure_passes``),
+    which ``serve --parallel N`` then reads instead of measuring at start. Slots counts the
+    engine cannot batch (no fused graph, or no ``onnx`` package) are left out with a note."""
     from . import __version__
     from .backends import BackendOptions
     from .decoder import DecoderModel
@@ -207,6 +219,8 @@ def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512
             if progress:
                 progress(f"target {precision} at context {depth}: " +
                          " ".join(f"w{t.width}={t.median_ms:.1f}" for t in timings[-len(model.widths):]) + " ms")
+        timings += _slots_timings(model, precision, slots, reps, note, progress)
+        del model, cache
     if manifest.drafter is not None:
         from .drafters.dspark import DSparkDrafter
 
@@ -240,6 +254,32 @@ def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512
         created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         max_temp_c=max(temps) if temps else None, cpu_other_percent=float(np.median(others)) if others else 0.0,
         throttled=throttled, timings=tuple(timings))
+
+
+def _slots_timings(model, precision: str, counts: tuple[int, ...], reps: int, note, progress) -> list[Timing]:
+    from .batching import BatchRunner
+    from .errors import DSparkError
+
+    out = []
+    for p in sorted({int(c) for c in counts if int(c) > 1}):
+        try:
+            runner = BatchRunner(model, p, measure=False)
+        except DSparkError as exc:
+            if progress:
+                progress(f"slots {precision}: not measured ({exc})")
+            return out
+        if runner.slots_pass is None:
+            if progress:
+                progress(f"slots {precision}: not measured (this engine or install has no slots graph; see the log)")
+            return out
+        table = runner.measure_passes(max(model.widths), repeats=max(3, reps // 3))
+        del runner  # its second session and K/V rows go before the next count's are made
+        note()
+        out += [Timing("slots", precision, n, 0, ms, ms, slots=p) for n, ms in sorted(table.items())]
+        if progress:
+            progress(f"slots {precision}, {p} requests: " + " ".join(f"n{n}={ms:.1f}" for n, ms in sorted(table.items()))
+                     + " ms")
+    return out
 
 
 def verify_curve_ms(model, depth: int = 128, repeats: int = 3, warmup: int = 2, seed: int = 0) -> dict[int, float]:

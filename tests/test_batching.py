@@ -367,3 +367,22 @@ def test_a_runner_without_the_slots_graph_says_why_and_batches_width_1(tiny_engi
         assert not runner.joint and "verify no drafts: not the fused graph" in caplog.text
         got = _run_all(slots, [(i, p, {"max_new_tokens": 16, "ignore_eos": True}) for i, p in enumerate(PROMPTS[:2])])
         assert got == want and runner.passes["slots"] == 0
+
+
+def test_a_server_reads_its_pass_cost_table_from_the_device_profile(tiny_engine, tmp_path, monkeypatch):
+    """serve --parallel N: the device profile's T(n) for N requests at the target's precision is
+    the runner's basis (no measuring at start); with none for N, the runner measures it."""
+    from dspark_edge.profile import measure_profile, save_profile
+
+    monkeypatch.setenv("DSPARK_PROFILES", str(tmp_path))
+    prof = measure_profile(tiny_engine, contexts=(8,), warmup=1, reps=2, slots=(2,))
+    save_profile(prof, tmp_path)
+    with dspark_edge.load(tiny_engine, "fp32", drafter="ngram") as pipe:
+        runner = pipe.batch_slots(2, gather_s=0.5)[0]._slot[0]
+        from dspark_edge.scheduler import monotone
+
+        assert runner.costs_from == "profile" and runner.costs.curve == monotone(prof.slots_ms("fp32", 2))
+        assert runner.costs.curve and not runner.costs.warm
+    with dspark_edge.load(tiny_engine, "fp32", drafter="ngram") as pipe:
+        runner = pipe.batch_slots(3, gather_s=0.5)[0]._slot[0]
+        assert runner.costs_from == "measured" and min(runner.costs.curve) == 3

@@ -152,6 +152,13 @@ def test_measure_profile_on_the_tiny_engine(tiny_engine):
     assert {(t.precision, t.width, t.context) for t in rows} == {
         (p, w, c) for p in ("fp32", "int8") for w in (1, 2, 3, 4) for c in (8, 32)}
     assert all(t.median_ms > 0 for t in rows) and prof.versions["onnxruntime"]
+    # The pass cost table of a server batching 2, 4 and 8 requests: T(n) from n = P (each request
+    # one token) to P × the widest width (4), for each precision.
+    for p in ("fp32", "int8"):
+        for slots in (2, 4, 8):
+            table = prof.slots_ms(p, slots)
+            assert min(table) == slots and max(table) == 4 * slots and all(ms > 0 for ms in table.values())
+    assert prof.slots_ms("fp32", 3) == {}
 
 
 def test_implausible_readings_are_ignored_with_a_warning(caplog):
@@ -176,3 +183,7 @@ def test_profile_cli_rejects_bad_contexts(tiny_engine, capsys):
 
     assert main(["profile", "--engine", str(tiny_engine), "--contexts", "abc"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
+    assert main(["profile", "--engine", str(tiny_engine), "--slots", "2,x"]) == 2
+    assert "comma-separated request counts" in capsys.readouterr().err
+    assert main(["profile", "--engine", str(tiny_engine), "--slots", "1,4"]) == 2
+    assert "2 or more requests" in capsys.readouterr().err

@@ -11,12 +11,17 @@ def register(sub) -> None:
     """Add the ``profile`` command to the subparsers ``sub``."""
     pr = sub.add_parser("profile", help="measure this device's cost of every variant of an engine",
                         description="Time the target at every verify width and the drafter at every block size "
-                                    "(warm-up, median of repeats, at several context depths) and write "
+                                    "(warm-up, median of repeats, at several context depths), and the pass cost "
+                                    "table of a server batching --slots requests, and write "
                                     "<device-key>.json to the user's profile folder (or --output-dir / "
                                     "DSPARK_PROFILES), which the scheduler loads automatically.")
     pr.add_argument("--engine", required=True, help="engine folder to profile")
     pr.add_argument("--contexts", default="64,512", help="context depths (default: %(default)s)")
     pr.add_argument("--repeats", type=int, default=9, help="timed repeats per variant (default: %(default)s)")
+    pr.add_argument("--slots", default="2,4,8",
+                    help="request counts whose slots-graph pass cost table T(n) to measure, for serve --parallel N "
+                         "(a second session of the target per count, one at a time; '' for none; default: "
+                         "%(default)s)")
     pr.add_argument("--output-dir", default=None, help="where to write (default: DSPARK_PROFILES, else the user's profile folder, "
                         "~/.local/share/dspark_edge/profiles)")
     pr.add_argument("--json", action="store_true", help="print the profile as JSON")
@@ -36,11 +41,17 @@ def cmd_profile(args) -> int:
         raise ConfigError(f"--contexts {args.contexts!r}: expected comma-separated integers, e.g. 64,512") from None
     if not contexts or min(contexts) < 1 or args.repeats < 1:
         raise ConfigError("--contexts needs positive depths and --repeats must be at least 1")
+    try:
+        slots = tuple(int(c) for c in args.slots.split(",") if c.strip())
+    except ValueError:
+        raise ConfigError(f"--slots {args.slots!r}: expected comma-separated request counts, e.g. 2,4,8") from None
+    if any(c < 2 for c in slots):
+        raise ConfigError(f"--slots {args.slots!r}: a slots graph batches 2 or more requests")
     if args.output_dir:
         from ..paths import output_dir
 
         output_dir(args.output_dir, "profile folder")  # before measuring, not after
-    prof = measure_profile(args.engine, contexts=contexts, reps=args.repeats,
+    prof = measure_profile(args.engine, contexts=contexts, reps=args.repeats, slots=slots,
                            progress=lambda m: print(f"[profile] {m}", file=sys.stderr, flush=True))
     path = save_profile(prof, Path(args.output_dir) if args.output_dir else None)
     if args.json:
