@@ -117,7 +117,37 @@ def _import_genai():
     return og
 
 
-class BatchedTarget:
+class _Answers:
+    """What both backends share: which prompts can be batched, the greedy call, and an answer
+    cut after its first EOS. A backend sets ``pad``, ``context``, ``eos_ids`` and implements
+    ``_run(rows, max_new, **search)``; ``GREEDY`` is its search options for greedy decoding."""
+
+    GREEDY: dict = {"do_sample": False}
+    pad: int
+    context: int
+    eos_ids: frozenset[int]
+
+    def usable(self, prompt: list[int], max_new: int) -> bool:
+        """Whether ``prompt`` can be batched: no pad id in it, and room for ``max_new`` tokens."""
+        return self.pad not in prompt and len(prompt) + max_new <= self.context
+
+    def _run(self, rows: list[list[int]], max_new: int, **search) -> list[list[int]]:
+        raise NotImplementedError
+
+    def _cut(self, new: list[int], max_new: int) -> list[int]:
+        ends = [j for j, t in enumerate(new) if t in self.eos_ids]
+        return new[:ends[0] + 1] if ends else new[:max_new]
+
+    def greedy(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        """Each prompt's greedy answer: at most ``max_new`` tokens, ending with EOS when it ended."""
+        for p in prompts:
+            if not self.usable(p, max_new):
+                raise ExportError(f"a prompt of {len(p)} tokens holds the pad id {self.pad} or leaves no room for "
+                                  f"{max_new} new tokens in {self.context} positions")
+        return self._run(prompts, max_new, **self.GREEDY)
+
+
+class BatchedTarget(_Answers):
     """The engine's FP32 graph under onnxruntime-genai: greedy answers and sampled continuations
     for a batch of prompts at a time. Prompts are right-padded (the graph's attention keeps each
     row's own length; left padding changes the answers) with a pad id no prompt may contain."""
@@ -184,10 +214,6 @@ class BatchedTarget:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def usable(self, prompt: list[int], max_new: int) -> bool:
-        """Whether ``prompt`` can be batched: no pad id in it, and room for ``max_new`` tokens."""
-        return self.pad not in prompt and len(prompt) + max_new <= self.context
-
     def _run(self, rows: list[list[int]], max_new: int, **search) -> list[list[int]]:
         width = max(len(r) for r in rows)
         ids = np.full((len(rows), width), self.pad, dtype=np.int32)
@@ -199,20 +225,7 @@ class BatchedTarget:
         gen.append_tokens(ids)
         while not gen.is_done():
             gen.generate_next_token()
-        out = []
-        for i in range(len(rows)):
-            new = [int(t) for t in gen.get_sequence(i)[width:]]
-            ends = [j for j, t in enumerate(new) if t in self.eos_ids]
-            out.append(new[:ends[0] + 1] if ends else new[:max_new])
-        return out
-
-    def greedy(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-        """Each prompt's greedy answer: at most ``max_new`` tokens, ending with EOS when it ended."""
-        for p in prompts:
-            if not self.usable(p, max_new):
-                raise ExportError(f"a prompt of {len(p)} tokens holds the pad id {self.pad} or leaves no room for "
-                                  f"{max_new} new tokens in {self.context} positions")
-        return self._run(prompts, max_new, do_sample=False)
+        return [self._cut([int(t) for t in gen.get_sequence(i)[width:]], max_new) for i in range(len(rows))]
 
     def sample(self, prefix: list[int], rows: int, max_new: int, temperature: float, top_p: float,
                seed: int) -> list[list[int]]:
@@ -221,7 +234,7 @@ class BatchedTarget:
                          random_seed=seed)
 
 
-class TorchTarget:
+class TorchTarget(_Answers):
     """The engine's source model in PyTorch, FP32 with TF32 off, on ``device``: the calls of
     ``BatchedTarget``. Prompts are left-padded under an attention mask, from which the model
     takes each row's positions, so a row's answer does not depend on the others (up to the order
@@ -269,7 +282,7 @@ class TorchTarget:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    usable = BatchedTarget.usable
+    GREEDY = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}  # not the model's defaults
 
     def _run(self, rows: list[list[int]], max_new: int, **search) -> list[list[int]]:
         torch = self._torch
@@ -284,20 +297,7 @@ class TorchTarget:
                                         max_new_tokens=max_new, min_new_tokens=1, pad_token_id=self.pad,
                                         eos_token_id=sorted(self.eos_ids), num_beams=1, use_cache=True,
                                         **search).cpu().numpy()
-        out = []
-        for i in range(len(rows)):
-            new = [int(t) for t in seqs[i, width:]]
-            ends = [j for j, t in enumerate(new) if t in self.eos_ids]
-            out.append(new[:ends[0] + 1] if ends else new[:max_new])
-        return out
-
-    def greedy(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-        """Each prompt's greedy answer: at most ``max_new`` tokens, ending with EOS when it ended."""
-        for p in prompts:
-            if not self.usable(p, max_new):
-                raise ExportError(f"a prompt of {len(p)} tokens holds the pad id {self.pad} or leaves no room for "
-                                  f"{max_new} new tokens in {self.context} positions")
-        return self._run(prompts, max_new, do_sample=False, temperature=None, top_p=None, top_k=None)
+        return [self._cut([int(t) for t in seqs[i, width:]], max_new) for i in range(len(rows))]
 
     def sample(self, prefix: list[int], rows: int, max_new: int, temperature: float, top_p: float,
                seed: int) -> list[list[int]]:

@@ -127,23 +127,21 @@ def rewrite(model, io: GraphIO, num_layers: int, slots: int):
                                            [1, "total_new_tokens"]),
               helper.make_tensor_value_info(SLOT_WIDTHS, TensorProto.INT64, [slots]),
               helper.make_tensor_value_info(SLOT_TOTALS, TensorProto.INT32, [slots])]
+    def per_slot(info) -> list:  # a K/V value's one [1, kv_heads, capacity_j, head_dim] copy per slot
+        elem = info.type.tensor_type.elem_type
+        dims = [d.dim_value or d.dim_param for d in info.type.tensor_type.shape.dim]
+        return [helper.make_tensor_value_info(_slot_name(info.name, j), elem, [1, dims[1], f"capacity_{j}", dims[3]])
+                for j in range(slots)]
+
     for i in g.input:
         if i.name in pasts:
-            elem = i.type.tensor_type.elem_type
-            dims = [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim]
-            for j in range(slots):
-                inputs.append(helper.make_tensor_value_info(_slot_name(i.name, j), elem,
-                                                            [1, dims[1], f"capacity_{j}", dims[3]]))
+            inputs += per_slot(i)
         elif i.name not in (io.input_ids, io.attention_mask) and i.name in needed:
             inputs.append(i)
     outputs = []
     for o in g.output:
         if o.name in presents:
-            elem = o.type.tensor_type.elem_type
-            dims = [d.dim_value or d.dim_param for d in o.type.tensor_type.shape.dim]
-            for j in range(slots):
-                outputs.append(helper.make_tensor_value_info(_slot_name(o.name, j), elem,
-                                                             [1, dims[1], f"capacity_{j}", dims[3]]))
+            outputs += per_slot(o)
         else:
             outputs.append(o)
     graph = helper.make_graph(live, f"{g.name}-slots{slots}", inputs, outputs, initializer=list(g.initializer),
