@@ -18,6 +18,9 @@ def summarize(out: Path, engine: Path, seconds: int, steps: dict[str, tuple[int,
     summary: dict = {"engine": str(engine), "seconds": seconds,
                      "steps": {k: {"exit": code, "seconds": secs} for k, (code, secs) in steps.items()},
                      "passed": all(code == 0 for code, _ in steps.values()) and bool(steps)}
+    missing = out / "missing.txt"  # prerequisites the check found missing (it stops before any step)
+    if missing.exists() and missing.read_text().strip():
+        summary["missing"] = missing.read_text().strip().splitlines()
     gpu = out / "gpu.csv"
     summary["gpu"] = gpu.read_text().strip() if gpu.exists() else None
     junit = out / "gpu_tests.xml"

