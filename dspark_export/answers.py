@@ -62,6 +62,26 @@ class Answers:
                 for i in range(len(self))]
 
 
+def write_answers(output: Path, seqs: list, prompt_lens, kinds, vocab_size: int, meta: dict,
+                  progress=print, label: str = "") -> Path:
+    """Write one answers file (this module's format) to ``output``, renamed into place when
+    complete: ``seqs`` (prompt + answer ids each), their prompt lengths and kinds (indices into
+    KINDS); ``meta`` gains the format, the per-kind counts and the answer token count."""
+    prompt_lens, kinds = np.asarray(prompt_lens), np.asarray(kinds)
+    dtype = np.uint16 if vocab_size <= 2**16 else np.int32
+    answer_tokens = int(sum(len(s) for s in seqs) - int(prompt_lens.sum()))
+    counts = {k: int((kinds == i).sum()) for i, k in enumerate(KINDS)}
+    meta = {**meta, "format": FORMAT, "answers": counts, "answer_tokens": answer_tokens}
+    with replacing_file(output) as tmp:
+        np.savez_compressed(tmp, meta=np.asarray(json.dumps(meta, sort_keys=True)),
+                            tokens=np.concatenate(seqs).astype(dtype),
+                            offsets=np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64),
+                            prompt_lens=prompt_lens.astype(np.int32), kinds=kinds.astype(np.int8))
+    progress(f"{label}wrote {output}: {len(seqs)} answers ({', '.join(f'{v} {k}' for k, v in counts.items())}), "
+             f"{answer_tokens} answer tokens, {output.stat().st_size / 1e6:.2f} MB")
+    return output
+
+
 def pack_answers(target: Path, work: Path, output: Path, progress=print) -> Path:
     """Write the answers of ``work``'s shards to ``output`` (renamed into place when complete)."""
     from .drafter.data import shard_sequences, written_shards
@@ -82,21 +102,10 @@ def pack_answers(target: Path, work: Path, output: Path, progress=print) -> Path
             seqs.append(ids)
             prompt_lens.append(plen)
             kinds.append(kind)
-    vocab = manifest.model.vocab_size
-    dtype = np.uint16 if vocab <= 2**16 else np.int32
-    tokens = np.concatenate(seqs).astype(dtype)
-    answer_tokens = int(sum(len(s) - p for s, p in zip(seqs, prompt_lens)))
-    counts = {k: kinds.count(i) for i, k in enumerate(KINDS)}
-    meta = {"format": FORMAT, "model": manifest.model.name, "source_sha256": manifest.model.source_sha256,
+    meta = {"model": manifest.model.name, "source_sha256": manifest.model.source_sha256,
             "tokenizer_sha256": manifest.file_entry(manifest.tokenizer.file).sha256, "max_new_tokens": int(max_new),
-            "answers": counts, "answer_tokens": answer_tokens, "work": str(work), "command": export_command()}
-    with replacing_file(output) as tmp:
-        np.savez_compressed(tmp, meta=np.asarray(json.dumps(meta, sort_keys=True)), tokens=tokens,
-                            offsets=np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64),
-                            prompt_lens=np.asarray(prompt_lens, dtype=np.int32), kinds=np.asarray(kinds, dtype=np.int8))
-    progress(f"wrote {output}: {len(seqs)} answers ({', '.join(f'{v} {k}' for k, v in counts.items())}), "
-             f"{answer_tokens} answer tokens, {output.stat().st_size / 1e6:.2f} MB")
-    return output
+            "work": str(work), "command": export_command()}
+    return write_answers(output, seqs, prompt_lens, kinds, manifest.model.vocab_size, meta, progress)
 
 
 def merge_answers(target: Path, files: list[Path], output: Path, progress=print) -> Path:
@@ -132,21 +141,11 @@ def merge_answers(target: Path, files: list[Path], output: Path, progress=print)
                         "duplicates_dropped": dropped, "made_by": part.meta.get("made_by", "python -m export answers")})
         progress(f"{path}: {kept} answers at {len(seqs) - kept}–{len(seqs) - 1}"
                  + (f", {dropped} whose prompt came earlier dropped" if dropped else ""))
-    dtype = np.uint16 if manifest.model.vocab_size <= 2**16 else np.int32
-    answer_tokens = int(sum(len(s) for s in seqs) - sum(prompt_lens))
-    counts = {k: kinds.count(i) for i, k in enumerate(KINDS)}
-    meta = {"format": FORMAT, "model": manifest.model.name, "source_sha256": manifest.model.source_sha256,
+    meta = {"model": manifest.model.name, "source_sha256": manifest.model.source_sha256,
             "tokenizer_sha256": manifest.file_entry(manifest.tokenizer.file).sha256, "max_new_tokens": caps.pop(),
-            "answers": counts, "answer_tokens": answer_tokens, "parts": sources, "command": export_command(),
+            "parts": sources, "command": export_command(),
             "made_by": "; ".join(f"{s['made_by']} ({s['answers']} from {s['first']})" for s in sources)}
-    with replacing_file(output) as tmp:
-        np.savez_compressed(tmp, meta=np.asarray(json.dumps(meta, sort_keys=True)),
-                            tokens=np.concatenate(seqs).astype(dtype),
-                            offsets=np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64),
-                            prompt_lens=np.asarray(prompt_lens, dtype=np.int32), kinds=np.asarray(kinds, dtype=np.int8))
-    progress(f"wrote {output}: {len(seqs)} answers ({', '.join(f'{v} {k}' for k, v in counts.items())}), "
-             f"{answer_tokens} answer tokens, {output.stat().st_size / 1e6:.2f} MB")
-    return output
+    return write_answers(output, seqs, prompt_lens, kinds, manifest.model.vocab_size, meta, progress)
 
 
 def load_answers(path: Path, manifest: Manifest, max_new_tokens: int | None = None) -> Answers:

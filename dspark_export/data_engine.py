@@ -57,7 +57,6 @@ from dspark_edge.errors import ExportError
 from dspark_edge.manifest import Manifest, engine_path, read_manifest
 
 from .answers import KINDS
-from .atomic import replacing_file
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +122,21 @@ class _Answers:
     ``_run(rows, max_new, **search)``; ``GREEDY`` is its search options for greedy decoding."""
 
     GREEDY: dict = {"do_sample": False}
-    pad: int
-    context: int
-    eos_ids: frozenset[int]
+
+    def __init__(self, manifest: Manifest) -> None:
+        m = manifest.model
+        self.eos_ids = frozenset(int(t) for t in manifest.tokenizer.eos_ids)
+        self.pad = m.vocab_size - 1  # a token the answers may hold, but a prompt may not (checked)
+        self.context = min(m.max_position_embeddings, 4096)
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def usable(self, prompt: list[int], max_new: int) -> bool:
         """Whether ``prompt`` can be batched: no pad id in it, and room for ``max_new`` tokens."""
@@ -161,11 +172,8 @@ class BatchedTarget(_Answers):
         variant = next((v for v in manifest.variants if v.role == "target" and v.precision == "fp32"), None)
         if variant is None:
             raise ExportError(f"{engine_dir} has no fp32 target; the answers come from the FP32 target")
+        super().__init__(manifest)
         m = manifest.model
-        self.vocab = m.vocab_size
-        self.eos_ids = frozenset(int(t) for t in manifest.tokenizer.eos_ids)
-        self.pad = m.vocab_size - 1  # a token the answers may hold, but a prompt may not (checked)
-        self.context = min(m.max_position_embeddings, 4096)
         graph = engine_path(engine_dir, variant.file)
         self._dir = Path(tempfile.mkdtemp(prefix="dspark-data-"))
         for f in graph.parent.iterdir():
@@ -207,12 +215,6 @@ class BatchedTarget(_Answers):
 
     def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> "BatchedTarget":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def _run(self, rows: list[list[int]], max_new: int, **search) -> list[list[int]]:
         width = max(len(r) for r in rows)
@@ -261,12 +263,8 @@ class TorchTarget(_Answers):
         torch.backends.cudnn.allow_tf32 = False
         if threads:
             torch.set_num_threads(int(threads))
+        super().__init__(manifest)
         self._torch = torch
-        m = manifest.model
-        self.vocab = m.vocab_size
-        self.eos_ids = frozenset(int(t) for t in manifest.tokenizer.eos_ids)
-        self.pad = m.vocab_size - 1  # as BatchedTarget: a prompt holding it is not batched
-        self.context = min(m.max_position_embeddings, 4096)
         self.device = device
         model, _ = load_source(src)
         self._model = model.to(device)
@@ -275,12 +273,6 @@ class TorchTarget(_Answers):
         self._model = None
         if self.device.startswith("cuda"):
             self._torch.cuda.empty_cache()
-
-    def __enter__(self) -> "TorchTarget":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     GREEDY = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}  # not the model's defaults
 
@@ -628,7 +620,7 @@ def _finish(opts: DataOptions, manifest: Manifest, stats: dict, progress: Progre
 
 def pack(work: Path, manifest: Manifest, opts: DataOptions, progress: Progress = print) -> Path:
     """Every answered shard of ``work`` as one answers file (``answers.py``'s format)."""
-    from .answers import FORMAT
+    from .answers import write_answers
     from .atomic import export_command
 
     shards = written(work)
@@ -639,23 +631,11 @@ def pack(work: Path, manifest: Manifest, opts: DataOptions, progress: Progress =
     for part in parts:
         off = part["offsets"]
         seqs += [part["tokens"][off[i]:off[i + 1]] for i in range(off.shape[0] - 1)]
-    prompt_lens = np.concatenate([p["prompt_lens"] for p in parts])
-    kinds = np.concatenate([p["kinds"] for p in parts])
-    dtype = np.uint16 if manifest.model.vocab_size <= 2 ** 16 else np.int32
-    answer_tokens = int(sum(len(s) for s in seqs) - prompt_lens.sum())
-    counts = {k: int((kinds == i).sum()) for i, k in enumerate(KINDS)}
     identity = json.loads((work / "engine.json").read_text())
-    meta = {"format": FORMAT, "kinds": list(KINDS), "model": manifest.model.name,
+    meta = {"kinds": list(KINDS), "model": manifest.model.name,
             "source_sha256": manifest.model.source_sha256, "tokenizer_sha256": identity["tokenizer_sha256"],
             "graph_sha256": identity["graph_sha256"], "max_new_tokens": identity["max_new_tokens"],
-            "answers": counts, "answer_tokens": answer_tokens, "command": export_command(),
-            "made_by": MADE_BY[identity.get("backend", "genai")]}
-    output = Path(opts.output)
-    with replacing_file(output) as tmp:
-        np.savez_compressed(tmp, meta=np.asarray(json.dumps(meta, sort_keys=True)),
-                            tokens=np.concatenate(seqs).astype(dtype),
-                            offsets=np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64),
-                            prompt_lens=prompt_lens.astype(np.int32), kinds=kinds.astype(np.int8))
-    progress(f"[data] wrote {output}: {len(seqs)} answers ({', '.join(f'{v} {k}' for k, v in counts.items())}), "
-             f"{answer_tokens} answer tokens, {output.stat().st_size / 1e6:.2f} MB")
-    return output
+            "command": export_command(), "made_by": MADE_BY[identity.get("backend", "genai")]}
+    return write_answers(Path(opts.output), seqs, np.concatenate([p["prompt_lens"] for p in parts]),
+                         np.concatenate([p["kinds"] for p in parts]), manifest.model.vocab_size, meta, progress,
+                         label="[data] ")
