@@ -99,6 +99,11 @@ class DataOptions:
                 raise ExportError(f"--{name.replace('_', '-')} must be 0 (none) or more, got {getattr(self, name)}")
         if self.backend not in BACKENDS:
             raise ExportError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ExportError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.backend != "torch" and (self.device != "cpu" or self.source != "default"):
+            raise ExportError("--device and --source choose the PyTorch backend's device and model; pass "
+                              "--backend torch with them (the genai backend runs the engine's own graph on the CPU)")
         if not 0 < self.temperature <= 2 or not 0 < self.top_p <= 1:
             raise ExportError(f"--temperature must be in (0, 2] and --top-p in (0, 1], got {self.temperature} "
                               f"and {self.top_p}")

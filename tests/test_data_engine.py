@@ -220,6 +220,17 @@ def test_torch_backend_refuses_another_model_and_a_missing_gpu(tiny_engine, tmp_
             TorchTarget(tiny_engine, read_manifest(tiny_engine), source=str(other), device="cuda")
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"backend": "torch", "device": "tpu"}, "--device must be cpu, cuda or cuda:N"),
+    ({"device": "cuda"}, "pass --backend torch with them"),
+    ({"source": "other.gguf"}, "pass --backend torch with them"),
+    ({"backend": "onnx"}, "--backend must be one of genai, torch")])
+def test_backend_options_are_checked(tiny_engine, tmp_path, change, words):
+    with pytest.raises(ExportError, match=words):
+        DataOptions(target_engine=tiny_engine, work=tmp_path / "w", **change)
+    assert not (tmp_path / "w").exists()
+
+
 def test_torch_backend_run_packs_and_never_mixes_with_genai(tiny_engine, tiny_hf, tmp_path):
     work, out = tmp_path / "work", tmp_path / "answers.npz"
     opts = dict(target_engine=tiny_engine, work=work, prompts=6, copy_prompts=2, answers=8, max_new_tokens=8,
