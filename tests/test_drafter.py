@@ -267,8 +267,13 @@ def test_int8_drafter_keeps_the_feature_projection_and_last_layer_in_fp32(tiny_w
     model = onnx.load(str(graph))
     types = {t.name: t.data_type for t in model.graph.initializer}
     assert types.get("head_t_quantized") == onnx.TensorProto.INT8 and "head_t" not in types, sorted(types)
-    assert not [n.name for n in model.graph.node if n.op_type == "Constant" and
-                any(len(a.t.dims) == 2 and a.t.data_type == onnx.TensorProto.FLOAT for a in n.attribute)]
+    # The only 2-D FP32 constants are the rotary rotation ([head_dim, head_dim] of ±1 and 0).
+    consts = [a.t for n in model.graph.node if n.op_type == "Constant" for a in n.attribute
+              if len(a.t.dims) == 2 and a.t.data_type == onnx.TensorProto.FLOAT]
+    from dspark_edge.manifest import read_manifest
+    head_dim = read_manifest(engine).drafter.head_dim
+    assert consts and all(list(t.dims) == [head_dim] * 2 for t in consts), [list(t.dims) for t in consts]
+    assert all(set(np.unique(onnx.numpy_helper.to_array(t))) == {-1.0, 0.0, 1.0} for t in consts)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8", "fp16"])

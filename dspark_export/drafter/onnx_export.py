@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .model import DSparkDraft, rope
-
+from .model import DraftLayer, DSparkDraft, rope
 
 HEAD_TABLE = "head_table"
 
@@ -41,10 +41,86 @@ def io_names(num_layers: int, shared_head: bool = False) -> tuple[list[str], lis
     return ins + ([HEAD_TABLE] if shared_head else []), outs
 
 
+def _rotation(d: int) -> torch.Tensor:
+    """R [d, d] with x @ R = rotate_half(x) = [-x2, x1]: one MatMul node where slicing takes four,
+    and exact (each output is one input times ±1 plus zeros)."""
+    r = torch.zeros(d, d)
+    half = d // 2
+    r[torch.arange(half) + half, torch.arange(half)] = -1.0
+    r[torch.arange(half), torch.arange(half) + half] = 1.0
+    return r
+
+
+class _Rope(nn.Module):
+    """Rotary tables for a run of positions, computed once per round and shared by every layer
+    (``model.rope`` recomputes them at each call: dozens of nodes a graph runs every round)."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        self.register_buffer("inv", 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)),
+                             persistent=False)
+        self.register_buffer("rot", _rotation(d), persistent=False)
+
+    def tables(self, pos: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [S] → (cos, sin) [S, D], times ``scale`` (the queries' tables carry the attention's 1/√D)."""
+        ang = pos.to(torch.float32)[:, None] * self.inv
+        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+        return (cos * scale, sin * scale) if scale != 1.0 else (cos, sin)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [heads, S, D]: ``model.rope`` with the tables of x's positions."""
+        return x * cos + (x @ self.rot) * sin
+
+
+class _RoundLayer(nn.Module):
+    """One ``DraftLayer`` over a round, written for few graph nodes (a round of the 2-layer
+    drafter runs a few hundred small nodes otherwise, and on a CPU each costs microseconds
+    whatever its size): 2-D activations reshaped with -1 (no shape arithmetic), the rotary
+    tables of ``_Rope``, the attention scale folded into the queries' tables, and grouped-query
+    attention by grouping the queries ([kv, rep·S, D]) instead of repeating keys and values.
+    The same function as ``DraftLayer.forward`` with the context keys of ``context_kv``; the
+    submodules keep their names, so the graph's node names (``/layers.N/q/MatMul``…) are those
+    ``quantize_int8`` selects by."""
+
+    def __init__(self, layer: DraftLayer) -> None:
+        super().__init__()
+        self.cfg = cfg = layer.cfg
+        for name in ("in_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down"):
+            setattr(self, name, getattr(layer, name))
+        self.q_norm = layer.q_norm if cfg.qk_norm else None
+        self.k_norm = layer.k_norm if cfg.qk_norm else None
+
+    def _heads(self, x: torch.Tensor, proj: nn.Module, heads: int, norm: nn.Module | None) -> torch.Tensor:
+        """[S, H] → [heads, S, D]"""
+        y = proj(x).reshape(-1, heads, self.cfg.head_dim)
+        return (y if norm is None else norm(y)).transpose(0, 1)
+
+    def forward(self, x, ctx, past_k, past_v, rope: _Rope, ctx_rope, block_rope, query_rope):
+        cfg = self.cfg
+        k_ctx = rope.apply(self._heads(ctx, self.k, cfg.num_kv_heads, self.k_norm), *ctx_rope)
+        present_k = torch.cat([past_k, k_ctx], 1)
+        present_v = torch.cat([past_v, self._heads(ctx, self.v, cfg.num_kv_heads, None)], 1)
+        y = self.in_norm(x)
+        q = rope.apply(self._heads(y, self.q, cfg.num_heads, self.q_norm), *query_rope)  # scaled by 1/√D
+        k = torch.cat([present_k, rope.apply(self._heads(y, self.k, cfg.num_kv_heads, self.k_norm), *block_rope)], 1)
+        v = torch.cat([present_v, self._heads(y, self.v, cfg.num_kv_heads, None)], 1)
+        # head h reads kv head h // rep (repeat_interleave): its queries are group h // rep's rows
+        grouped = q.reshape(cfg.num_kv_heads, -1, cfg.head_dim)
+        att = torch.softmax(grouped @ k.transpose(1, 2), -1) @ v
+        att = att.reshape(cfg.num_heads, -1, cfg.head_dim).transpose(0, 1).reshape(-1, cfg.num_heads * cfg.head_dim)
+        x = x + self.o(att)
+        y = self.post_norm(x)
+        return x + self.down(F.silu(self.gate(y)) * self.up(y)), present_k, present_v
+
+
 class RoundGraph(nn.Module):
     def __init__(self, model: DSparkDraft, shared_head: bool = False) -> None:
         super().__init__()
-        self.m, self.shared_head = model, shared_head
+        self.cfg, self.shared_head = model.cfg, shared_head
+        self.fc, self.ctx_norm, self.norm, self.mask_embed = model.fc, model.ctx_norm, model.norm, model.mask_embed
+        self.layers = nn.ModuleList(_RoundLayer(layer) for layer in model.layers)
+        self.rope = _Rope(model.cfg)
         # The LM head rows as a parameter, so the graph holds them as an initializer that the
         # INT8 quantizer quantizes (the model keeps them in a non-persistent buffer, which
         # tracing would bake in as an FP32 Constant node: a full-vocabulary head of 113 MB
@@ -52,22 +128,18 @@ class RoundGraph(nn.Module):
         self.head_t = None if shared_head else nn.Parameter(model.head.T.contiguous(), requires_grad=False)
 
     def forward(self, features, anchor_embedding, block_positions, *rest):
-        m = self.m
-        past = rest[:2 * len(m.layers)]
-        n_new = features.shape[0]
-        ctx = m.context(features)[None]  # [1, m, H]
-        ctx_pos = (block_positions[0] - n_new + torch.arange(n_new, dtype=torch.int64))[None]
-        g = block_positions.shape[0]
-        x = torch.cat([anchor_embedding, m.mask_embed[None].expand(g - 1, -1)], 0)[None]
-        pos = block_positions[None]
+        cfg = self.cfg
+        past = rest[:2 * cfg.num_layers]
+        ctx = self.ctx_norm(self.fc(features))  # [m, H]
+        ctx_pos = block_positions[0] - features.shape[0] + torch.arange(features.shape[0], dtype=torch.int64)
+        ctx_rope, block_rope = self.rope.tables(ctx_pos), self.rope.tables(block_positions)
+        query_rope = self.rope.tables(block_positions, cfg.head_dim ** -0.5)
+        x = torch.cat([anchor_embedding, self.mask_embed[None].expand(block_positions.shape[0] - 1, -1)], 0)
         presents = []
-        for i, layer in enumerate(m.layers):
-            k_new, v_new = layer.context_kv(ctx, ctx_pos)
-            k = torch.cat([past[2 * i][None], k_new], 2)
-            v = torch.cat([past[2 * i + 1][None], v_new], 2)
-            presents += [k[0], v[0]]
-            x = layer(x, pos, k, v, None)
-        h = m.norm(x)[0]
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, ctx, past[2 * i], past[2 * i + 1], self.rope, ctx_rope, block_rope, query_rope)
+            presents += [k, v]
+        h = self.norm(x)
         if self.shared_head:
             # [V, H] · [H, γ], then transposed: the table is read row-major as it lies, never
             # transposed itself (a Transpose of a 100 MB input would be a copy every round).
