@@ -681,3 +681,40 @@ def test_a_run_can_start_from_a_previous_drafter(tiny_with_drafter, tiny_hf, tmp
             target_engine=engine, output=tmp_path / "x", work=tmp_path / "w", source=str(tiny_hf), prompts=10,
             max_new_tokens=24, text_tokens=300, copy_prompts=4, slots=3, steps=2, seqs_per_step=4, anchors=6,
             init_from=weights), progress=msgs.append)  # ... is not the folder's
+
+
+def test_dspark_block_choice_weighs_drafting_time_against_the_yardstick(tiny_with_drafter):
+    """With several blocks and the scheduler's yardstick, a round runs the block worth most:
+    the wide one when its extra drafts pay for their drafting time, the narrow one when the
+    wide widths cost too much or the later slots' confidences are low; the widest still runs
+    every BLOCK_REFRESH rounds. Without a yardstick, the block that holds the asked drafts."""
+    import dspark_edge
+    from dspark_edge.drafters.dspark import BLOCK_REFRESH, DSparkDrafter
+    from dspark_edge.manifest import read_manifest
+    from dspark_edge.widths import Yardstick
+
+    engine, _, _ = tiny_with_drafter
+    d = DSparkDrafter(engine, read_manifest(engine), "fp32")
+    assert d.blocks == (2, 4)
+    assert d._choose_block(3, None) == 4 and d._choose_block(1, None) == 2
+    flat = Yardstick(lambda w: 10.0, (1, 2, 3, 4))
+    steep = Yardstick(lambda w: 10.0 if w <= 2 else 1000.0, (1, 2, 3, 4))
+    assert d._choose_block(3, flat) == 4  # untimed: each block runs twice first
+    for block, conf in ((4, [0.9, 0.9, 0.9]), (4, [0.9, 0.9, 0.9]), (2, [0.9]), (2, [0.9])):
+        d._note_round(block, 2.0 if block == 4 else 1.0, np.array(conf), flat)
+    assert d._choose_block(3, flat) == 4
+    assert d._choose_block(1, flat) == 2  # one draft asked: the narrow block holds it
+    d._note_round(4, 2.0, np.array([0.9, 0.9, 0.9]), steep)
+    picks = []
+    for _ in range(2 * BLOCK_REFRESH):
+        picks.append(d._choose_block(3, steep))
+        d._note_round(picks[-1], 2.0 if picks[-1] == 4 else 1.0, np.full(picks[-1] - 1, 0.9), steep)
+    assert [i for i, b in enumerate(picks) if b == 4] == [BLOCK_REFRESH - 1, 2 * BLOCK_REFRESH - 1]  # the refresh
+    for _ in range(30):  # the later slots' confidences fall: their drafting time no longer pays
+        d._note_round(4, 2.0, np.array([0.05, 0.05, 0.05]), flat)
+    assert d._choose_block(3, flat) == 2
+
+    # In a generation with the scheduler, both blocks run and are timed.
+    with dspark_edge.load(engine, "fp32", drafter="dspark") as pipe:
+        pipe.generate([{"role": "user", "content": "Count: one two three four five six"}], max_new_tokens=24)
+        assert pipe.drafter._block_runs.get(2, 0) >= 2 and pipe.drafter._block_runs.get(4, 0) >= 2

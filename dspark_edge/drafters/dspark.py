@@ -19,6 +19,7 @@ the full vocabulary (zero outside it) for lossless sampling.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from ..backends.tables import map_npy, shared_table, target_table
 from ..errors import NPZ_ERRORS, ConfigError, EngineError
 from ..manifest import Manifest, engine_path, verify_files, verify_role_files
 from ..sampling import coupled_pick, probs, sample
+from ..widths import Yardstick
 from .base import BaseDrafter, Draft, DraftRequest
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,8 @@ def _mapped(path: Path) -> np.ndarray:
 
 
 MARKOV_TOP_K = 256
+BLOCK_MEAN_WEIGHT = 0.2  # weight of the newest round in the block choice's running means
+BLOCK_REFRESH = 16  # with a yardstick, the widest block runs at least once in this many rounds
 FULL_MARKOV_MAX = 1024  # a draft vocabulary this small is biased whole (the top-k would hold a quarter of it)
 
 
@@ -182,6 +186,12 @@ class DSparkDrafter(BaseDrafter):
         self.vocab_size = manifest.model.vocab_size
         self.feature_dim = manifest.model.hidden_size * len(info.feature_layers)
         self._shape = (info.num_kv_heads, info.head_dim)
+        # What each block has cost and the confidences it drew (running means over rounds, this
+        # drafter's lifetime): the block choice under a yardstick (``_choose_block``).
+        self.block_ms: dict[int, float] = {}
+        self.expected_confidence = np.full(info.slots, np.nan)
+        self._since_widest = 0
+        self._block_runs: dict[int, int] = {}
         self.begin(())
 
     def _markov(self, engine_dir: Path, info, tables, top_k) -> tuple[np.ndarray, np.ndarray]:
@@ -215,6 +225,31 @@ class DSparkDrafter(BaseDrafter):
                 return b
         return self.blocks[-1]
 
+    def _choose_block(self, k: int, yardstick: Yardstick | None) -> int:
+        """The block this round runs. Without a yardstick (a fixed draft count): the smallest
+        that holds ``k`` drafts. With one, among the blocks up to that one, the one whose round
+        is worth most by the scheduler's rule, ``Yardstick.best`` over the running mean of the
+        confidences each slot drew (as the scheduler sees them) with that block's running
+        drafting time spent: a wider block drafts more, and costs more, whether or not the
+        scheduler then verifies its last drafts. A block not timed yet runs twice first (its first
+        run with a new shape is slow), and
+        the widest every ``BLOCK_REFRESH`` rounds, so that the confidences of the slots only it
+        draws stay current."""
+        widest = self._block_for(k)
+        candidates = [b for b in self.blocks if b <= widest]
+        if yardstick is None or len(candidates) == 1:
+            return widest
+        untimed = [b for b in candidates if self._block_runs.get(b, 0) < 2]
+        if untimed:
+            return untimed[-1]
+        known = self.expected_confidence
+        self._since_widest += 1
+        if np.isnan(known[:widest - 1]).any() or self._since_widest >= BLOCK_REFRESH:
+            return widest
+        worth = {b: yardstick.best(known[:b - 1], self.block_ms[b], [w for w in yardstick.widths if w <= b])[1]
+                 for b in candidates}
+        return max(candidates, key=lambda b: (worth[b], -b))
+
     def base(self, new_hidden: np.ndarray | None, anchor: int, position: int, slots: int):
         """Append the new context rows and run the block: (U [γ, Vd], h [γ, H])."""
         rows = np.zeros((0, self.feature_dim), np.float32) if new_hidden is None else new_hidden
@@ -235,7 +270,9 @@ class DSparkDrafter(BaseDrafter):
     def propose(self, request: DraftRequest, rng: np.random.Generator) -> Draft:
         k = min(request.max_tokens, self.max_drafts)
         anchor, position = int(request.context[-1]), len(request.context) - 1
-        block = self._block_for(k)
+        block = self._choose_block(k, request.yardstick)
+        k = min(k, block - 1)
+        t0 = time.perf_counter()
         u, h = self.base(request.new_hidden, anchor, position, block - 1)
         if k < 1:
             return Draft.empty()
@@ -258,7 +295,21 @@ class DSparkDrafter(BaseDrafter):
         idx, z = sequential_step(u[:k], h[:k], int(self.to_draft[anchor]), self.w1, self.w2, self.conf_w,
                                  self.conf_b, choose, self.markov_top_k, anchor_row)
         conf = sigmoid(z / self.temperatures[:k] + self.biases[:k])
+        self._note_round(block, (time.perf_counter() - t0) * 1e3, conf, request.yardstick)
         return Draft(self.vocab_ids[idx], np.stack(qs) if qs else None, conf)
+
+    def _note_round(self, block: int, ms: float, conf: np.ndarray, yardstick: Yardstick | None) -> None:
+        """Running means for ``_choose_block``: the block's drafting time, and each slot's
+        confidence as the scheduler sees it (the slots this round drew)."""
+        if block == self.blocks[-1]:
+            self._since_widest = 0
+        runs = self._block_runs[block] = self._block_runs.get(block, 0) + 1
+        old = self.block_ms.get(block)
+        self.block_ms[block] = ms if runs <= 2 or old is None else old + BLOCK_MEAN_WEIGHT * (ms - old)
+        seen = conf if yardstick is None else yardstick.shifted(conf)
+        known = self.expected_confidence[:seen.size]
+        self.expected_confidence[:seen.size] = np.where(np.isnan(known), seen,
+                                                        known + BLOCK_MEAN_WEIGHT * (seen - known))
 
     def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:
         """Nothing to learn: the confidences are calibrated offline."""
