@@ -143,6 +143,7 @@ class SchedulerConfig:
     min_observations: int = 3  # before a width's own correction is trusted
     gate_draft_share: float = 0.05  # the gate acts only when drafting costs this share of a plain step
     gate_weight: float = 0.05  # weight of each speculative round in the gate's moving rate
+    probe_weight: float = 0.25  # weight of a probe round (it stands for the probe_every rounds the gate skipped)
     max_record: int = 1024  # decisions kept in memory (a trace keeps them all: dspark_edge.metrics)
     online_calibration: float = 0.1  # step size of the online confidence offset (0: confidences as given)
     max_offset: float = 3.0  # the offset stays within ± this (logits)
@@ -158,6 +159,8 @@ class SchedulerConfig:
             raise ConfigError("hysteresis_c and energy_bias must be >= 0")
         if not 0.0 < self.gate_weight <= 1.0:
             raise ConfigError(f"gate_weight must be in (0, 1], got {self.gate_weight}")
+        if not 0.0 < self.probe_weight <= 1.0:
+            raise ConfigError(f"probe_weight must be in (0, 1], got {self.probe_weight}")
         if not 0.0 <= self.gate_draft_share <= 1.0:
             raise ConfigError(f"gate_draft_share must be in [0, 1], got {self.gate_draft_share}")
         if self.explore_every < 0:
@@ -275,6 +278,7 @@ class Scheduler:
         self.memory_low = False
         self.step = 0
         self._since_probe = 0
+        self._probing = False  # this round drafts because it is a probe of the closed gate
         self.spec_rate: float | None = None  # tokens per ms of recent speculative rounds
         self._spec_rounds = 0
         self.offset = 0.0  # the online confidence offset δ (logits)
@@ -318,10 +322,11 @@ class Scheduler:
         self.update_modes(snap)
         if self.memory_low:
             return False
+        self._probing = False
         if self.mode == "parked" or self.gated:
             self._since_probe += 1
             if self._since_probe >= self.config.probe_every:
-                self._since_probe = 0
+                self._since_probe, self._probing = 0, True
                 return True
             return False
         return True
@@ -341,11 +346,15 @@ class Scheduler:
         """A speculative round's outcome: committed tokens and its time (drafting + verify),
         folded into the gate's moving rate with ``gate_weight``. The weight is small on purpose:
         the rate is kept across generations, so one prompt's short run of rejected wide rounds
-        must not close the gate for the next (a probe every ``probe_every`` rounds would reopen
-        it only slowly; bench/scheduler_replay.py measures the choice)."""
+        must not close the gate for the next (bench/scheduler_replay.py measures the choice). A
+        probe round, the gate's only evidence while it is closed, weighs ``probe_weight``: at
+        the gate's weight a closed gate would stay closed for about a hundred rounds into a
+        prompt the drafter suits, long after its probes drafted well."""
+        probing, self._probing = self._probing, False
         if ms <= 0:
             return
-        weight = self.config.gate_weight if weight is None else weight
+        if weight is None:
+            weight = self.config.probe_weight if probing else self.config.gate_weight
         rate = tokens / ms
         self.spec_rate = rate if self.spec_rate is None else (1 - weight) * self.spec_rate + weight * rate
         self._spec_rounds += 1

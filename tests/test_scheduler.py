@@ -208,6 +208,37 @@ def test_gate_stops_drafting_when_speculation_does_not_pay_and_probes():
     assert not sched.gated and sched.wants_draft(snap)
 
 
+def test_probes_that_draft_well_reopen_the_gate_within_a_few_probes():
+    """A closed gate's only evidence is its probes: each weighs ``probe_weight``, so a drafter
+    that pays again (a prompt it suits) drafts after two good probes, not after the hundred
+    rounds probes at the gate's own weight took; one poor probe keeps it closed."""
+    def probes_to_reopen(config):
+        sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS, config)
+        snap = _snap()
+        for _ in range(40):  # a long run of rounds slower than plain decoding closes the gate
+            sched.wants_draft(snap)
+            sched.observe_round(1, 45.0)
+        assert sched.gated
+        probes = 0
+        for _ in range(400):
+            if sched.wants_draft(snap):
+                if not sched.gated:
+                    return probes
+                probes += 1
+                sched.observe_round(2, 40.0)  # the probe drafts well: 50 tokens/s against 33 plain
+        return probes
+
+    assert probes_to_reopen(SchedulerConfig(probe_every=8)) == 2
+    assert probes_to_reopen(SchedulerConfig(probe_every=8, probe_weight=0.05)) >= 10
+    sched = Scheduler(CostModel(CURVE, 4.0), WIDTHS, SchedulerConfig(probe_every=2))
+    for _ in range(40):
+        sched.observe_round(1, 45.0)
+    while not sched.wants_draft(_snap()):
+        pass
+    sched.observe_round(1, 45.0)  # a poor probe
+    assert sched.gated
+
+
 def test_drafting_cost_is_sunk_within_a_round():
     # With drafting already paid, width 2 beats width 1 for any useful first draft.
     sched = Scheduler(CostModel(CURVE, 20.0), WIDTHS)

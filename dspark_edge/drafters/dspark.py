@@ -114,10 +114,12 @@ class DSparkDrafter(BaseDrafter):
 
     def __init__(self, engine_dir: str | Path, manifest: Manifest, precision: str | None = None,
                  options: BackendOptions | None = None, verify_hashes: bool = True,
-                 markov_top_k: int | None | str = "auto") -> None:
+                 markov_top_k: int | None | str = "auto", block_choice: bool = True) -> None:
         """``markov_top_k``: add the Markov bias to this many of each slot's largest base logits
         (``sequential_step``); None: to all of them; "auto": ``MARKOV_TOP_K`` when the draft
-        vocabulary holds more than ``FULL_MARKOV_MAX`` tokens, else all."""
+        vocabulary holds more than ``FULL_MARKOV_MAX`` tokens, else all. ``block_choice``: with
+        the scheduler's yardstick, pick each round's block by its worth (``_choose_block``);
+        False: always the widest block the round's drafts fit."""
         from ..backends.ort import open_session
 
         engine_dir = Path(engine_dir)
@@ -192,6 +194,7 @@ class DSparkDrafter(BaseDrafter):
         self.expected_confidence = np.full(info.slots, np.nan)
         self._since_widest = 0
         self._block_runs: dict[int, int] = {}
+        self.block_choice = block_choice
         self.begin(())
 
     def _markov(self, engine_dir: Path, info, tables, top_k) -> tuple[np.ndarray, np.ndarray]:
@@ -237,7 +240,7 @@ class DSparkDrafter(BaseDrafter):
         draws stay current."""
         widest = self._block_for(k)
         candidates = [b for b in self.blocks if b <= widest]
-        if yardstick is None or len(candidates) == 1:
+        if yardstick is None or len(candidates) == 1 or not self.block_choice:
             return widest
         untimed = [b for b in candidates if self._block_runs.get(b, 0) < 2]
         if untimed:
