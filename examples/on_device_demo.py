@@ -11,10 +11,10 @@ panel, updated every round, shows the variant in use (verify width, precision), 
 calibrated confidences, the accepted length, speed, free memory and RSS, temperature and
 throttling, CPU (and GPU) load, and what the confidence scheduler chose and why, with its
 latest switches (hot, parked, probing, gate). It decodes with the drafter `--drafter auto`
-picks: the engine's DSpark drafter when it has one; else, for an FP32 target on the CPU (a
---race, or --precision fp32), the model-free n-gram drafter with the engine's INT8 graph drafting
-beside it (`ngram+self`); else (the INT8 target, the default outside a race) the n-gram drafter
-alone (prompt lookup plus the engine's corpus table of the target's habitual continuations, when
+picks: for an FP32 target on the CPU (a --race, or --precision fp32), the model-free n-gram
+drafter with the engine's INT8 graph drafting beside it (`ngram+self`, the fastest exact mode
+measured); else the engine's DSpark drafter when it has one; else (the INT8 target, the default
+outside a race) the n-gram drafter alone (prompt lookup plus the engine's corpus table of the target's habitual continuations, when
 the folder has one). --drafter none decodes plainly. When stdout is not a terminal (or `rich`
 is missing) it prints plain lines.
 

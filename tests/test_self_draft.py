@@ -152,8 +152,13 @@ def test_auto_picks_the_drafter_for_the_precision_and_device(tiny_engine):
     assert auto_drafter(m, "fp32", backend="tensorrt") == "ngram"
     fp32_only = replace(m, variants=tuple(v for v in m.variants if v.precision != "int8"))
     assert auto_drafter(fp32_only, "fp32") == "ngram"
-    # A folder with a DSpark drafter installed (its manifest section is all that is read).
-    assert auto_drafter(SimpleNamespace(drafter=object()), "fp32") == "dspark"
+    # A folder with a DSpark drafter installed (its manifest section and precisions are all that
+    # is read): self-drafting on the CPU still measures faster.
+    with_drafter = SimpleNamespace(drafter=object(), precisions=m.precisions)
+    assert auto_drafter(with_drafter, "fp32") == "ngram+self"
+    assert auto_drafter(with_drafter, "int8") == "dspark"
+    assert auto_drafter(with_drafter, "fp32", providers=("CUDAExecutionProvider",)) == "dspark"
+    assert auto_drafter(SimpleNamespace(drafter=object(), precisions=fp32_only.precisions), "fp32") == "dspark"
     with pytest.raises(ConfigError, match="pass it to load"):
         create("auto", m, engine_dir=tiny_engine)
 

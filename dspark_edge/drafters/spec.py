@@ -19,8 +19,8 @@ from ..manifest import PRECISIONS
 # kind → (the form users write, what it means). The order is the order help texts list them.
 KINDS: dict[str, tuple[str, str]] = {
     "none": ("none", "plain decoding"),
-    "auto": ("auto", "the engine's DSpark drafter when it has one, else ngram+self for a target above INT8 on "
-                     "the CPU with the INT8 graph at hand, else ngram"),
+    "auto": ("auto", "ngram+self for a target above INT8 on the CPU with the INT8 graph at hand, else the "
+                     "engine's DSpark drafter when it has one, else ngram"),
     "ngram": ("ngram[:online|:prompt]", "prompt lookup with the engine's corpus table (calibrated confidences; "
                                         ":online estimates them online, :prompt drops the table)"),
     "self": ("self[:PRECISION]", "the engine's own graph at another precision (default int8) drafts over the "
