@@ -75,7 +75,7 @@ def main() -> int:
             if drafter is not None:
                 drafter.base = original
             s = r.stats
-            rows[key].append({"tok_s": s.new_tokens / wall, "ids": r.token_ids, "rounds": s.rounds,
+            rows[key].append({"tok_s": s.new_tokens / wall, "ids": r.token_ids,
                               "draft_ms": 1000 * s.draft_s / max(sum(blocks.values()), 1),
                               "step_ms": 1000 * s.verify_s / max(s.rounds, 1), "blocks": blocks})
         print(f"[{i + 1}/{len(prompts)}] {rec['id']}", file=sys.stderr, flush=True)

@@ -235,9 +235,8 @@ class DSparkDrafter(BaseDrafter):
         confidences each slot drew (as the scheduler sees them) with that block's running
         drafting time spent: a wider block drafts more, and costs more, whether or not the
         scheduler then verifies its last drafts. A block not timed yet runs twice first (its first
-        run with a new shape is slow), and
-        the widest every ``BLOCK_REFRESH`` rounds, so that the confidences of the slots only it
-        draws stay current."""
+        run with a new shape is slow), and the widest every ``BLOCK_REFRESH`` rounds, so that the
+        confidences of the slots only it draws stay current."""
         widest = self._block_for(k)
         candidates = [b for b in self.blocks if b <= widest]
         if yardstick is None or len(candidates) == 1 or not self.block_choice:
@@ -307,8 +306,8 @@ class DSparkDrafter(BaseDrafter):
         if block == self.blocks[-1]:
             self._since_widest = 0
         runs = self._block_runs[block] = self._block_runs.get(block, 0) + 1
-        old = self.block_ms.get(block)
-        self.block_ms[block] = ms if runs <= 2 or old is None else old + BLOCK_MEAN_WEIGHT * (ms - old)
+        old = self.block_ms.get(block, ms)
+        self.block_ms[block] = ms if runs <= 2 else old + BLOCK_MEAN_WEIGHT * (ms - old)
         seen = conf if yardstick is None else yardstick.shifted(conf)
         known = self.expected_confidence[:seen.size]
         self.expected_confidence[:seen.size] = np.where(np.isnan(known), seen,

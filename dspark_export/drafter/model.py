@@ -59,14 +59,20 @@ class DraftConfig:
         return cls(**d)
 
 
+def rope_tables(pos: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary (cos, sin) tables of positions ``pos`` [...] → [..., D] each (the half-split
+    form llama uses: each angle twice)."""
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=pos.device) / d))
+    ang = pos.to(torch.float32).unsqueeze(-1) * inv  # [.., S, D/2]
+    return torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+
 def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (the half-split form llama uses). x [..., S, D], pos [S] or [B, S]."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    ang = pos.to(torch.float32).unsqueeze(-1) * inv  # [.., S, D/2]
-    if ang.dim() == 3:  # [B, S, D/2] → [B, 1, S, D/2] for head broadcasting
-        ang = ang.unsqueeze(1)
-    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    cos, sin = rope_tables(pos, d, theta)
+    if cos.dim() == 3:  # [B, S, D] → [B, 1, S, D] for head broadcasting
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 

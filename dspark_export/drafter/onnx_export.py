@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import DraftLayer, DSparkDraft, rope
+from .model import DraftLayer, DSparkDraft, rope, rope_tables
 
 HEAD_TABLE = "head_table"
 
@@ -57,15 +57,12 @@ class _Rope(nn.Module):
 
     def __init__(self, cfg) -> None:
         super().__init__()
-        d = cfg.head_dim
-        self.register_buffer("inv", 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)),
-                             persistent=False)
-        self.register_buffer("rot", _rotation(d), persistent=False)
+        self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
+        self.register_buffer("rot", _rotation(cfg.head_dim), persistent=False)
 
     def tables(self, pos: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [S] → (cos, sin) [S, D], times ``scale`` (the queries' tables carry the attention's 1/√D)."""
-        ang = pos.to(torch.float32)[:, None] * self.inv
-        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+        cos, sin = rope_tables(pos, self.head_dim, self.theta)
         return (cos * scale, sin * scale) if scale != 1.0 else (cos, sin)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
