@@ -226,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="templated training prompts first (default: all of them)")
     da.add_argument("--copy-prompts", type=int, default=512,
                     help="copy tasks among the prompts (default: %(default)s)")
+    da.add_argument("--tasks", type=int, default=0,
+                    help="task prompts after the copy tasks: templated families (questions, chat, stories, short "
+                         "texts, arithmetic, code) and passage tasks over --passages (default: %(default)s)")
+    da.add_argument("--passages", type=Path, default=None,
+                    help="with --tasks: an answers file whose answers' first paragraphs the passage tasks "
+                         "summarise, rewrite or explain (default: none, templated tasks only)")
     da.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: %(default)s)")
     da.add_argument("--batch", type=int, default=32, help="prompts per batched pass (default: %(default)s)")
     da.add_argument("--per-shard", type=int, default=256, help="prompts per resumable shard (default: %(default)s)")
@@ -343,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
 
             run(DataOptions(target_engine=args.target, work=args.work, answers=args.answers, output=args.output,
                             prompts=args.prompts,
-                            copy_prompts=args.copy_prompts, max_new_tokens=args.max_new_tokens, batch=args.batch,
+                            copy_prompts=args.copy_prompts, tasks=args.tasks, passages=args.passages,
+                            max_new_tokens=args.max_new_tokens, batch=args.batch,
                             threads=args.threads, seed=args.seed, per_shard=args.per_shard, backend=args.backend,
                             device=args.device, source=args.source), progress)
             return 0

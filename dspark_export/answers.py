@@ -31,7 +31,9 @@ from dspark_edge.manifest import Manifest, read_manifest
 from .atomic import export_command, replacing_file
 
 FORMAT = 1
-KINDS = ("prompt", "copy", "magpie")  # a training prompt's answer; a copy task's; a self-written prompt's (data_engine)
+# A training prompt's answer; a copy task's; a self-written prompt's; a task prompt's (data_engine).
+# Files store the index, so new kinds are only ever appended.
+KINDS = ("prompt", "copy", "magpie", "task")
 
 
 @dataclass(frozen=True)

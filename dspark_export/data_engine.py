@@ -17,6 +17,9 @@ Prompts, in this order (none of them the benchmark prompts, ``dspark_edge/data/p
 
 - ``prompt``: the project's templated training prompts (``drafter/prompts.py``);
 - ``copy``:   copy tasks over installed documents (summarise, rewrite, explain a given text);
+- ``task``:   with ``--tasks N``, task prompts from larger templated families and passage tasks
+  over the target's own earlier answers (``--passages FILE``, an answers file), none near a
+  benchmark prompt (``drafter/prompts.py``, ``task_prompts``);
 - ``magpie``: user messages the target writes itself: given the chat template up to the start
   of a user turn, the target samples a user message (the Magpie method: Xu et al. 2024,
   "Magpie: Alignment Data Synthesis from Scratch by Prompting Aligned LLMs with Nothing").
@@ -77,6 +80,8 @@ class DataOptions:
     answers: int = 2000  # prompts answered in all (the templated and copy prompts count)
     prompts: int | None = None  # templated prompts first (None: all of them)
     copy_prompts: int = 512
+    tasks: int = 0  # task prompts after the copy tasks
+    passages: Path | None = None  # an answers file whose answers give the task prompts' passages
     max_new_tokens: int = 192
     batch: int = 32
     per_shard: int = 256
@@ -94,9 +99,14 @@ class DataOptions:
         for name in ("answers", "max_new_tokens", "batch", "per_shard", "magpie_tokens"):
             if getattr(self, name) < 1:
                 raise ExportError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("prompts", "copy_prompts"):
+        for name in ("prompts", "copy_prompts", "tasks"):
             if (getattr(self, name) or 0) < 0:
                 raise ExportError(f"--{name.replace('_', '-')} must be 0 (none) or more, got {getattr(self, name)}")
+        if self.passages is not None and not self.tasks:
+            raise ExportError("--passages feeds the task prompts' passage tasks; pass --tasks N with it")
+        if self.passages is not None and not Path(self.passages).is_file():
+            raise ExportError(f"--passages {self.passages} does not exist; pass an answers file (`python -m export "
+                              "data --output` or `python -m export answers`)")
         if self.backend not in BACKENDS:
             raise ExportError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -337,6 +347,13 @@ class MessageFilter:
         self.dropped[why] = self.dropped.get(why, 0) + 1
         return False
 
+    def near_benchmark(self, text: str) -> bool:
+        """Whether ``text`` shares more than half the words of the shorter of it and a benchmark
+        prompt."""
+        mine = _words(text)
+        return any(mine and other and len(mine & other) > 0.5 * min(len(mine), len(other))
+                   for other in self._held_out)
+
     def keep(self, text: str, ended: bool) -> bool:
         if not ended:
             return self._drop("unfinished")
@@ -348,10 +365,8 @@ class MessageFilter:
         plain = sum(c.isascii() and (c.isprintable() or c in "\n\t") for c in text)
         if plain < 0.95 * len(text):
             return self._drop("not plain text")
-        mine = _words(text)
-        for other in self._held_out:
-            if mine and other and len(mine & other) > 0.5 * min(len(mine), len(other)):
-                return self._drop("near a benchmark prompt")
+        if self.near_benchmark(text):
+            return self._drop("near a benchmark prompt")
         key = _fold(text)
         if key in self._seen:
             return self._drop("duplicate")
@@ -461,13 +476,25 @@ def _append(path: Path, records: list[dict]) -> None:
         os.fsync(f.fileno())
 
 
-def engine_identity(manifest: Manifest, engine_dir: Path, opts: DataOptions) -> dict:
+def engine_identity(manifest: Manifest, engine_dir: Path, opts: DataOptions, passages: list[str] | None = None) -> dict:
     variant = next(v for v in manifest.variants if v.role == "target" and v.precision == "fp32")
     return {"model": manifest.model.name, "source_sha256": manifest.model.source_sha256,
             "tokenizer_sha256": manifest.file_entry(manifest.tokenizer.file).sha256,
             "graph_sha256": manifest.file_entry(variant.file).sha256, "max_new_tokens": opts.max_new_tokens,
             "seed": opts.seed, "prompts": opts.prompts, "copy_prompts": opts.copy_prompts,
-            **({"backend": "torch"} if opts.backend == "torch" else {})}  # genai folders predate the key
+            **({"backend": "torch"} if opts.backend == "torch" else {}),  # genai folders predate the key
+            **({"tasks": opts.tasks, "passages_sha256": passages_digest(passages)} if opts.tasks else {})}
+    # (folders without task prompts predate those keys)
+
+
+def passages_digest(passages: list[str] | None) -> str | None:
+    """sha256 of the passage texts themselves (not of the file they came from: a file packed
+    again holds the same answers in other bytes)."""
+    if passages is None:
+        return None
+    import hashlib
+
+    return hashlib.sha256("\0".join(passages).encode("utf-8")).hexdigest()
 
 
 def check_work(work: Path, identity: dict) -> None:
@@ -498,8 +525,9 @@ def _held_out_texts() -> list[str]:
     return [m["content"] for r in load_prompts() for m in r["messages"] if m["role"] == "user"]
 
 
-def _fixed_prompts(tokenizer, opts: DataOptions) -> Iterator[dict]:
-    """The templated prompts, then the copy tasks."""
+def _fixed_prompts(tokenizer, opts: DataOptions, passages: list[str] = ()) -> Iterator[dict]:
+    """The templated prompts, then the copy tasks, then the task prompts (those near a
+    benchmark prompt left out)."""
     from .drafter.prompts import copy_prompts, training_prompts
     from .drafter.text import package_documents
 
@@ -508,6 +536,30 @@ def _fixed_prompts(tokenizer, opts: DataOptions) -> Iterator[dict]:
     if opts.copy_prompts:
         for r in copy_prompts(package_documents(), opts.copy_prompts, opts.seed):
             yield {"kind": "copy", "messages": r["messages"]}
+    if opts.tasks:
+        from .drafter.prompts import task_prompts
+
+        near = MessageFilter(_held_out_texts())
+        for r in task_prompts(opts.tasks, opts.seed, passages):
+            if not near.near_benchmark(r["messages"][-1]["content"]):
+                yield {"kind": "task", "messages": r["messages"]}
+
+
+def _passages(path: Path, manifest: Manifest, tokenizer, count: int) -> list[str]:
+    """Up to ``count`` prose paragraphs from the answers in ``path`` (in its order; copy tasks'
+    answers skipped: they restate package text)."""
+    from .answers import load_answers
+    from .drafter.prompts import answer_passages
+
+    answers = load_answers(Path(path), manifest)
+    out: list[str] = []
+    for i in range(len(answers)):
+        if KINDS[int(answers.kinds[i])] == "copy":
+            continue
+        out += answer_passages([tokenizer.decode(answers.pair(i)[1])])
+        if len(out) >= count:
+            break
+    return out
 
 
 def run(opts: DataOptions, progress: Progress = print) -> dict:
@@ -518,7 +570,8 @@ def run(opts: DataOptions, progress: Progress = print) -> dict:
     engine = Path(opts.target_engine)
     manifest = read_manifest(engine)
     tokenizer = Tokenizer.from_engine(engine, manifest)
-    check_work(opts.work, engine_identity(manifest, engine, opts))
+    passages = _passages(opts.passages, manifest, tokenizer, opts.tasks) if opts.passages else None
+    check_work(opts.work, engine_identity(manifest, engine, opts, passages))
     prompts_file = opts.work / "prompts.jsonl"
     records = read_prompts(prompts_file)
     (opts.work / "answers").mkdir(exist_ok=True)
@@ -533,7 +586,7 @@ def run(opts: DataOptions, progress: Progress = print) -> dict:
         return _finish(opts, manifest, stats, progress)
     filt = MessageFilter(_held_out_texts(), [r["messages"][-1]["content"] for r in records if r["kind"] == "magpie"])
     prefix = user_turn_prefix(tokenizer)
-    fixed = list(_fixed_prompts(tokenizer, opts))
+    fixed = list(_fixed_prompts(tokenizer, opts, passages or []))
     fruitless = 0
     with open_target(engine, manifest, opts) as target:
         while done < opts.answers:

@@ -43,7 +43,7 @@ def test_pack_and_load_keep_every_answer_in_order(engine_copy, tmp_path):
     got = load_answers(out, read_manifest(engine_copy), max_new_tokens=192)
     assert [got.pair(i) for i in range(len(got))] == PROMPTS + COPY
     assert [KINDS[k] for k in got.kinds] == ["prompt"] * 3 + ["copy"]
-    assert got.meta["answers"] == {"prompt": 3, "copy": 1, "magpie": 0} and got.meta["max_new_tokens"] == 192
+    assert got.meta["answers"] == {"prompt": 3, "copy": 1, "magpie": 0, "task": 0} and got.meta["max_new_tokens"] == 192
     assert got.meta["answer_tokens"] == sum(len(a) for _, a in PROMPTS + COPY)
     assert got.tokens.dtype == np.uint16  # the embedded default's vocabulary fits
     assert got.by_prompt()[(1, 6)] == [30, 31, 2]

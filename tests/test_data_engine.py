@@ -14,7 +14,9 @@ from dspark_edge.errors import ExportError
 from dspark_edge.manifest import read_manifest
 from dspark_edge.tokenizer import Tokenizer
 from dspark_export.answers import KINDS, load_answers
-from dspark_export.data_engine import BatchedTarget, DataOptions, MessageFilter, read_prompts, run, written
+from dspark_export.data_engine import (BatchedTarget, DataOptions, MessageFilter, _write_shard, check_work,
+                                       engine_identity, pack, read_prompts, run, written)
+from dspark_export.drafter.prompts import answer_passages, task_prompts
 
 MESSAGES = [
     [{"role": "user", "content": "hi"}],
@@ -170,7 +172,7 @@ def test_cli_runs_and_reports(tiny_engine, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "3/3 answered" in err and f"wrote {out}: 3 answers" in err
     meta = json.loads(str(np.load(out)["meta"]))
-    assert meta["answers"] == {"prompt": 3, "copy": 0, "magpie": 0} and meta["max_new_tokens"] == 4
+    assert meta["answers"] == {"prompt": 3, "copy": 0, "magpie": 0, "task": 0} and meta["max_new_tokens"] == 4
     assert main(["data", "--target", str(tiny_engine), "--work", str(tmp_path / "w"), "--batch", "0"]) == 2
     assert "--batch must be at least 1" in capsys.readouterr().err
 
@@ -252,3 +254,83 @@ def test_torch_backend_samples_are_seeded(tiny_engine, tiny_hf):
         a = target.sample([1, 5, 9], 4, 10, 1.0, 0.95, seed=3)
         assert a == target.sample([1, 5, 9], 4, 10, 1.0, 0.95, seed=3)
         assert len({tuple(r) for r in a}) > 1 and a != target.sample([1, 5, 9], 4, 10, 1.0, 0.95, seed=4)
+
+
+PROSE = ("Rain gardens collect the water that runs off roofs and streets. They are planted with grasses and "
+         "flowers that like wet soil, and they let the water sink slowly into the ground instead of rushing "
+         "into drains. A small one fits in most front yards and costs little to build.")
+
+
+def test_task_prompts_are_fixed_varied_and_use_the_passages():
+    passages = [PROSE.replace("Rain", f"Rain{i}") for i in range(50)]
+    recs = task_prompts(200, seed=3, passages=passages)
+    assert recs == task_prompts(200, seed=3, passages=passages) != task_prompts(200, seed=4, passages=passages)
+    texts = [r["messages"][-1]["content"] for r in recs]
+    assert len(texts) == 200 and len(set(texts)) == 200
+    with_passage = [t for t in texts if "Rain" in t]
+    assert len(with_passage) == 50  # two fifths of 200 would be 80: every passage is used, once
+    assert {r["category"] for r in recs} == {"qa", "chat", "story", "summ", "code", "math"}
+    assert all(r["messages"][-1]["role"] == "user" for r in recs)
+    # Without passages, arithmetic fills a fifth of a large request; nothing repeats.
+    big = [r["messages"][-1]["content"] for r in task_prompts(3000)]
+    assert len(set(big)) == 3000
+    assert sum(r["category"] == "math" for r in task_prompts(3000)) >= 600
+
+
+def test_answer_passages_take_one_prose_paragraph_per_answer():
+    answers = [f"{PROSE}\n\nA second paragraph that is long enough to pass as prose but comes second, "
+               f"so it is never taken because one paragraph per answer is the rule here.",
+               "Sure!\n\n1. a list\n2. another",  # no prose paragraph
+               "short.\n\n" + PROSE]
+    assert answer_passages(answers) == [PROSE, PROSE]
+
+
+def test_task_prompts_near_a_benchmark_prompt_are_left_out():
+    near = MessageFilter(held_out=["Write a short story about a robot who learns to paint."])
+    assert near.near_benchmark("Write a short story about a robot who learns to dance.")
+    assert not near.near_benchmark("Solve for x: 3x + 2 = 11. Explain each step.")
+    assert not near.dropped  # asking is not dropping
+
+
+def _answers_file(engine, path, texts):
+    """An answers file of ``engine`` whose answers are ``texts`` (as if the target wrote them)."""
+    manifest = read_manifest(engine)
+    tok = Tokenizer.from_engine(engine, manifest)
+    work = path.parent / "passage-work"
+    opts = DataOptions(target_engine=engine, work=work, output=path, max_new_tokens=8)
+    check_work(work, engine_identity(manifest, engine, opts))
+    (work / "answers").mkdir()
+    prompts = [tok.encode_chat([{"role": "user", "content": f"question {i}"}]) for i in range(len(texts))]
+    _write_shard(work / "answers" / "shard-00000.npz", prompts, [tok.encode(t) for t in texts],
+                 ["magpie"] * len(texts))
+    return pack(work, manifest, opts, progress=lambda s: None)
+
+
+def test_a_run_answers_task_prompts_over_passages_and_refuses_other_passages(tiny_engine, tmp_path):
+    second = PROSE.replace("Rain gardens", "Green roofs")
+    passages = _answers_file(tiny_engine, tmp_path / "p.npz", [PROSE, "Sure!\n\n1. a list", second])
+    work, out = tmp_path / "work", tmp_path / "tasks.npz"
+    base = dict(target_engine=tiny_engine, work=work, prompts=0, copy_prompts=0, tasks=5, max_new_tokens=4,
+                batch=3, per_shard=5)
+    run(DataOptions(answers=5, passages=passages, output=out, **base), progress=lambda s: None)
+    records = read_prompts(work / "prompts.jsonl")
+    assert [r["kind"] for r in records] == ["task"] * 5
+    texts = [r["messages"][-1]["content"] for r in records]
+    assert sum(PROSE in t for t in texts) == 1 and sum(second in t for t in texts) == 1  # 2 of 5: two fifths
+    answers = load_answers(out, read_manifest(tiny_engine), 4)
+    assert set(answers.kinds.tolist()) == {KINDS.index("task")}
+    assert json.loads(str(np.load(out)["meta"]))["answers"]["task"] == 5
+    assert json.loads((work / "engine.json").read_text())["tasks"] == 5
+    # Other passages would make other prompts: the folder is refused, nothing in it changed.
+    other = _answers_file(tiny_engine, tmp_path / "other" / "q.npz", [second])
+    listing = sorted((p.name, p.stat().st_size) for p in work.rglob("*"))
+    with pytest.raises(ExportError, match="passages_sha256 differ"):
+        run(DataOptions(answers=8, passages=other, **base), progress=lambda s: None)
+    assert sorted((p.name, p.stat().st_size) for p in work.rglob("*")) == listing
+
+
+def test_passages_need_tasks_and_an_existing_file(tiny_engine, tmp_path):
+    with pytest.raises(ExportError, match="pass --tasks N"):
+        DataOptions(target_engine=tiny_engine, work=tmp_path / "w", passages=tmp_path / "a.npz")
+    with pytest.raises(ExportError, match="does not exist"):
+        DataOptions(target_engine=tiny_engine, work=tmp_path / "w", tasks=4, passages=tmp_path / "a.npz")

@@ -189,3 +189,122 @@ def copy_prompts(documents, count: int, seed: int = 0) -> list[dict]:
              for i, c in enumerate(code[:n_code])]
     rng.shuffle(recs)
     return recs
+
+
+# Task prompts (``python -m export data --tasks N``): the six kinds of request above drawn from
+# larger combinatorial families, so that a campaign can add thousands of them, and passage
+# tasks over the target's own earlier answers (summaries, rewrites, questions about a given
+# text: an answer that reuses its prompt, the case where drafting pays most and where the
+# package documents run out after a few hundred paragraphs).
+TASK_TOPICS = [
+    "a school garden", "a city bus line", "a family bakery", "a small museum", "a mountain village",
+    "a football club", "a recycling centre", "a night market", "a science fair", "a book club",
+    "a summer camp", "a fishing boat", "a hospital ward", "a train station", "a public library",
+    "a coffee shop", "a music school", "an apple orchard", "a space station", "a zoo keeper",
+    "a weather station", "a bicycle repair shop", "a chess tournament", "a village festival",
+    "a river cleanup", "a pottery class", "a farmers' market", "a mobile app launch", "a bridge repair",
+    "a neighbourhood park", "a software team", "a power outage", "a school trip", "a new restaurant",
+    "a charity run", "a snowstorm", "a lost dog", "a birthday party", "a job interview",
+    "a flooded street", "a moving day", "a camping trip", "a broken laptop", "a garden pond",
+    "a language course", "a local election", "a cooking contest", "a hiking trail", "a rooftop farm",
+    "a street musician", "a bee farm", "a solar-powered house", "a robot vacuum", "a carpool plan",
+    "a home budget", "a new puppy", "a spelling bee", "a board game night", "a city marathon",
+    "a lighthouse restoration", "an old clock", "a school newspaper", "a dentist visit", "a weekend market",
+    "a science museum", "a winter holiday", "a train delay", "a kite festival", "a bird sanctuary",
+    "a community fridge", "a fire drill", "a town hall meeting", "a water shortage", "a new bridge",
+]
+
+TASK_TEMPLATES = [
+    ("qa", "What should someone know before visiting {t}?"),
+    ("qa", "What problems can come up with {t}, and how are they usually solved?"),
+    ("qa", "Explain how {t} usually works, in simple terms."),
+    ("qa", "Why might {t} matter to the people who live nearby?"),
+    ("chat", "I've been asked to help with {t}. What should I do first?"),
+    ("chat", "Can you give me three tips for dealing with {t}?"),
+    ("chat", "My neighbour keeps talking about {t}. What questions could I ask them?"),
+    ("chat", "Help me plan a short message to my team about {t}."),
+    ("story", "Write a short story set around {t}."),
+    ("story", "Tell me a children's story about {t}."),
+    ("story", "Write a short poem inspired by {t}."),
+    ("story", "Write a diary entry from someone involved in {t}."),
+    ("summ", "Write a short news report about {t}."),
+    ("summ", "Write a brief announcement about {t} for a community newsletter."),
+    ("summ", "List five facts someone might write about {t}."),
+]
+
+TASK_MATH = [
+    "A bag holds {a} marbles and {b} more are added each day. How many are there after {c} days? Show your steps.",
+    "Tickets cost ${b} each. How much do {a} tickets cost? Explain your working.",
+    "A recipe needs {b} eggs for {c} people. How many eggs are needed for {a} people? Show your steps.",
+    "Solve for x: {b}x + {c} = {a}. Explain each step.",
+    "A car uses {b} litres of fuel per 100 km. How much fuel does it need for {a}0 km?",
+    "What is {a} divided by {b}? Give the answer with the remainder and explain.",
+    "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
+    "{a} students share {c} pizzas equally, each cut into {b} slices. How many slices does each student get?",
+    "A shirt costs ${a} and is {c} percent off. What is the sale price? Show your steps.",
+    "Tom reads {b} pages a day. How many days does he need for a book of {a}0 pages?",
+]
+
+TASK_CODE_ACTIONS = [
+    "counts how many times each word appears in", "finds the longest word in", "returns the average of",
+    "removes every even number from", "checks whether all items are unique in", "returns the second largest value in",
+    "splits into chunks of three", "reverses every word of", "returns only the positive numbers from",
+    "capitalises the first letter of every word in",
+]
+TASK_CODE_THINGS = ["a list of numbers", "a sentence", "a list of strings", "a text file's lines"]
+TASK_CODE_LANGS = ["Python", "Python", "JavaScript"]
+
+PASSAGE_TASKS = PROSE_TASKS + [
+    "Give a short summary of this note: {x}",
+    "Summarise this in three bullet points:\n\n{x}",
+    "Rewrite this as a short email to a colleague:\n\n{x}",
+    "What are the two most important ideas in this text?\n\n{x}",
+    "Explain this paragraph to a ten-year-old:\n\n{x}",
+    "Write a title and a one-sentence summary for this text:\n\n{x}",
+]
+
+
+def answer_passages(texts, lo: int = 200, hi: int = 800) -> list[str]:
+    """The first plain-prose paragraph of ``lo``–``hi`` characters of each text (the target's
+    earlier answers), at most one per text, in the texts' order."""
+    out = []
+    for text in texts:
+        for para in prose_paragraphs(text, lo, hi):
+            out.append(para)
+            break
+    return out
+
+
+def task_prompts(count: int, seed: int = 0, passages: list[str] = ()) -> list[dict]:
+    """``count`` task prompts as {"category", "messages"} in a fixed order that depends only on
+    ``count``, ``seed`` and ``passages``: two fifths passage tasks over ``passages`` (while they
+    last); of the rest, four fifths questions, chat, stories, short texts on ``TASK_TOPICS`` and
+    small coding tasks (while they last), and arithmetic word problems with drawn numbers for
+    the remainder. No prompt repeats."""
+    rng = random.Random(seed + 2)
+    family = [(c, t.format(t=topic)) for topic in TASK_TOPICS for c, t in TASK_TEMPLATES]
+    family += [("code", f"Write a {lang} function that {act} {thing}.")
+               for act in TASK_CODE_ACTIONS for thing in TASK_CODE_THINGS for lang in dict.fromkeys(TASK_CODE_LANGS)]
+    rng.shuffle(family)
+    order = list(passages)
+    rng.shuffle(order)
+    n_pass = min(len(order), (2 * count) // 5)
+    picked = family[:min(len(family), (4 * (count - n_pass)) // 5)]
+    seen = {text for _, text in picked}
+    tries = 0
+    while len(picked) < count - n_pass and tries < 50 * count:
+        tries += 1
+        a, b, c = rng.randint(3, 95), rng.randint(2, 12), rng.randint(2, 40)
+        text = TASK_MATH[rng.randrange(len(TASK_MATH))].format(a=a, b=b, c=c)
+        if text not in seen:
+            seen.add(text)
+            picked.append(("math", text))
+    recs = [{"category": "summ", "messages": [{"role": "user", "content": PASSAGE_TASKS[i % len(PASSAGE_TASKS)].format(x=p)}]}
+            for i, p in enumerate(order[:n_pass])]
+    recs += [{"category": c, "messages": [{"role": "user", "content": text}]} for c, text in picked]
+    rng.shuffle(recs)
+    for rec in recs:
+        system = SYSTEMS[rng.randrange(len(SYSTEMS))]
+        if system:
+            rec["messages"] = [{"role": "system", "content": system}] + rec["messages"]
+    return recs
