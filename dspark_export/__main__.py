@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--init-from", type=Path, default=None, metavar="DRAFTER_DIR",
                     help="start from a drafter folder's weights and draft vocabulary (a previous run's OUTPUT; its "
                          "shape wins) instead of from the target's layers: a campaign over several runs")
+    tr.add_argument("--reuse-features", type=Path, action="append", default=[], metavar="WORK_DIR",
+                    help="an earlier run's --work folder whose feature shards (held-out answers, package text) this "
+                         "run takes where it needs the same answers, after checking one sequence a folder against "
+                         "this engine; repeatable (default: compute every shard)")
     tr.add_argument("--bf16", action="store_true",
                     help="forward and loss under bfloat16 autocast (weights and optimizer stay FP32); pays on CPUs "
                          "with AVX-512 BF16 or AMX (bench/train_bf16.py measures it)")
@@ -306,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                 data_to=args.data_to,
                 layers=args.layers, slots=args.slots,
                 draft_vocab=args.draft_vocab, markov_rank=args.markov_rank, steps=args.steps, lr=args.lr,
-                mask_token_id=args.mask_token_id, bf16=args.bf16, init_from=args.init_from),
+                mask_token_id=args.mask_token_id, bf16=args.bf16, init_from=args.init_from,
+                reuse_features=tuple(args.reuse_features)),
                 progress=progress)
             return 0
         if args.command == "deepspec":

@@ -196,3 +196,37 @@ def test_the_committed_campaign_drafter_is_small_and_starts_the_next_run(default
     assert steps == sorted(set(steps)) and all(1.0 <= r["tau"] <= cfg.slots + 1 for r in curve)
     assert curve[-1]["tau"] == pytest.approx(meta["training"]["validation"][-1]["tau"], abs=1e-4)
     assert "--data" in meta["training"]["command"]
+
+
+def test_feature_shards_are_taken_from_an_earlier_work_folder_made_by_this_engine(tiny_engine, recorded, tmp_path):
+    """--reuse-features: a shard whose answers an earlier folder already holds is copied, not
+    computed; a folder whose features are not this engine's is detected and not used."""
+    from dspark_export.drafter.data import Donors, answer_feature_shards
+
+    small, large = (_pairs(tiny_engine, p) for p in recorded)
+    dec = _decoder(tiny_engine)
+    answer_feature_shards(dec, small, tmp_path / "old" / "answers", per_shard=4)  # 4 + 4 + 2
+    said: list[str] = []
+    donors = Donors([tmp_path / "old"], dec, 16)
+    assert len(donors) == 3
+    paths = answer_feature_shards(dec, large, tmp_path / "new" / "answers", per_shard=4, progress=said.append,
+                                  donors=donors)
+    assert donors.taken == 2 and sum("taken from an earlier work folder" in s for s in said) == 2
+    fresh = answer_feature_shards(dec, large, tmp_path / "fresh" / "answers", per_shard=4)
+    for mine, computed in zip(paths, fresh):
+        with np.load(mine) as a, np.load(computed) as b:
+            assert set(a.files) == set(b.files)
+            for k in a.files:
+                assert np.array_equal(a[k], b[k]), k
+    # Another engine's features (here: the old folder's hidden features scaled) are refused at the
+    # first shard wanted, and that folder gives nothing more.
+    for p in sorted((tmp_path / "old" / "answers").glob("*.npz")):
+        with np.load(p) as z:
+            arrays = {k: z[k] for k in z.files}
+        arrays["aux"] = (arrays["aux"].astype(np.float32) * 1.5).astype(np.float16)
+        np.savez(p, **arrays)
+    donors = Donors([tmp_path / "old"], dec, 16)
+    answer_feature_shards(dec, large, tmp_path / "other" / "answers", per_shard=4, donors=donors)
+    assert donors.taken == 0
+    with pytest.raises(ExportError, match="not a folder"):
+        Donors([tmp_path / "missing"], dec, 16)

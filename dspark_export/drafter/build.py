@@ -55,6 +55,7 @@ class TrainDrafterOptions:
     mask_token_id: int | None = None  # the DeepSpec checkpoint's mask token; None: default_mask_token
     bf16: bool = False  # train under bfloat16 autocast (bench/train_bf16.py measures what it buys)
     init_from: Path | None = None  # a drafter folder whose weights (and draft vocabulary) start this run
+    reuse_features: tuple[Path, ...] = ()  # earlier work folders whose feature shards this run may take (Donors)
 
     def __post_init__(self) -> None:
         for name in ("prompts", "max_new_tokens", "layers", "slots", "draft_vocab", "markov_rank", "steps",
@@ -223,6 +224,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     from ..sources import load_source, resolve_source
     from . import calibrate
     from .data import (
+        Donors,
         answer_feature_shards,
         build_shards,
         check_digest,
@@ -261,6 +263,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     decoder = DecoderModel(manifest, opts.target_engine, "fp32")
     tok = Tokenizer.from_engine(opts.target_engine, manifest)
     docs = package_documents() if (opts.text_tokens or (opts.copy_prompts and recorded is None)) else []
+    donors = Donors(list(opts.reuse_features), decoder, 16) if opts.reuse_features else None
     chosen = held = None  # with --data-from: the answers trained or validated on, the held-out ones (file indices)
     if recorded is not None:
         if opts.data_from >= len(recorded):
@@ -279,7 +282,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
             progress(f"[2/4] the engine's features for the {len(recorded)} answers in {opts.data} (resumable)")
         picked = range(len(recorded)) if chosen is None else chosen.tolist()
         shards = answer_feature_shards(decoder, [recorded.pair(i) for i in picked], opts.work / "answers",
-                                       progress=lambda s: progress("      " + s))
+                                       progress=lambda s: progress("      " + s), donors=donors)
         counts = ", ".join(f"{v} {k}" for k, v in recorded.meta.get("answers", {}).items())
         data_note = (f"the target's greedy answers recorded in {opts.data.name} ({counts}; made by "
                      f"{recorded.meta.get('made_by', 'python -m export answers')}"
@@ -324,7 +327,10 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
                      f"{len(docs)} installed documents (package READMEs, standard-library modules; "
                      f"fingerprint {fingerprint(docs)})")
         progress(f"      text: {text_note} (resumable)")
-        shards += build_text_shards(decoder, windows, opts.work / "text", progress=lambda s: progress("      " + s))
+        shards += build_text_shards(decoder, windows, opts.work / "text", progress=lambda s: progress("      " + s),
+                                    donors=donors)
+    if donors is not None:
+        progress(f"      {donors.taken} feature shards taken from {', '.join(map(str, opts.reuse_features))}")
     del decoder
     data = load_shards(shards)
     if chosen is None:

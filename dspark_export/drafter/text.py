@@ -101,7 +101,7 @@ def text_shard_path(folder: Path, index: int) -> Path:
 
 
 def build_text_shards(decoder, seqs: list[tuple[list[int], list[int]]], folder: Path, per_shard: int = 128,
-                      top_k: int = 16, progress=None) -> list[Path]:
+                      top_k: int = 16, progress=None, donors=None) -> list[Path]:
     """Teacher-forced features for every window (``data.write_shard``), written as shards;
     returns all shard paths in order. The folder records a digest of the windows: shards made
     from other windows (other installed packages, another ``--text-tokens``) are refused, never
@@ -118,6 +118,8 @@ def build_text_shards(decoder, seqs: list[tuple[list[int], list[int]]], folder: 
 
     def make(i: int) -> str:
         part = seqs[i * per_shard:(i + 1) * per_shard]
+        if donors is not None and donors.take(part, paths[i]):
+            return f"{sum(len(a) for _, a in part)} tokens, taken from an earlier work folder"
         write_shard(paths[i], decoder, part, top_k)
         return f"{sum(len(a) for _, a in part)} tokens"
 
