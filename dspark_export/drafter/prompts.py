@@ -87,12 +87,17 @@ def training_prompts(seed: int = 0) -> list[dict]:
         a, b, c = rng.randint(2, 90), rng.randint(2, 12), rng.randint(5, 60)
         out.append({"category": "math", "messages": [{"role": "user", "content": MATH[i % len(MATH)].format(a=a, b=b, c=c)}]})
     out += [{"category": "code", "messages": [{"role": "user", "content": c}]} for c in CODE]
-    rng.shuffle(out)
-    for rec in out:
+    return _shuffled_with_systems(out, rng)
+
+
+def _shuffled_with_systems(recs: list[dict], rng: random.Random) -> list[dict]:
+    """``recs`` shuffled in place, each given one of ``SYSTEMS`` (mostly none) by ``rng``."""
+    rng.shuffle(recs)
+    for rec in recs:
         system = SYSTEMS[rng.randrange(len(SYSTEMS))]
         if system:
             rec["messages"] = [{"role": "system", "content": system}] + rec["messages"]
-    return out
+    return recs
 
 
 # Copy-heavy tasks: the request carries a text or a piece of code and the answer reuses it
@@ -302,9 +307,4 @@ def task_prompts(count: int, seed: int = 0, passages: list[str] = ()) -> list[di
     recs = [{"category": "summ", "messages": [{"role": "user", "content": PASSAGE_TASKS[i % len(PASSAGE_TASKS)].format(x=p)}]}
             for i, p in enumerate(order[:n_pass])]
     recs += [{"category": c, "messages": [{"role": "user", "content": text}]} for c, text in picked]
-    rng.shuffle(recs)
-    for rec in recs:
-        system = SYSTEMS[rng.randrange(len(SYSTEMS))]
-        if system:
-            rec["messages"] = [{"role": "system", "content": system}] + rec["messages"]
-    return recs
+    return _shuffled_with_systems(recs, rng)
