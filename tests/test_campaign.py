@@ -230,3 +230,9 @@ def test_feature_shards_are_taken_from_an_earlier_work_folder_made_by_this_engin
     assert donors.taken == 0
     with pytest.raises(ExportError, match="not a folder"):
         Donors([tmp_path / "missing"], dec, 16)
+
+
+def test_a_missing_reuse_folder_is_refused_before_the_work_folder_is_touched(tiny_engine, tiny_hf, recorded, tmp_path):
+    with pytest.raises(ExportError, match="--reuse-features .*missing: not a folder"):
+        _train(tiny_engine, tiny_hf, recorded[0], tmp_path / "w", tmp_path / "d", reuse_features=(tmp_path / "missing",))
+    assert not (tmp_path / "w").exists() and not (tmp_path / "d").exists()

@@ -73,6 +73,9 @@ class TrainDrafterOptions:
         if self.data is not None and self.answers is not None:
             raise ExportError("--data trains on every answer of its file and generates none; --answers (answers "
                               "to reuse while generating the rest) does not apply with it: pass one of them")
+        from .data import check_donor_folders
+
+        check_donor_folders(self.reuse_features)  # before the work folder is touched
         if not (self.target_engine / "manifest.json").is_file():
             raise ExportError(f"{self.target_engine} is not an engine folder (no manifest.json); export the target "
                               "first with `python -m export target`")

@@ -135,6 +135,15 @@ def _shard_key(tokens: np.ndarray, prompt_lens: np.ndarray) -> bytes:
                           + np.ascontiguousarray(prompt_lens, dtype=np.int32).tobytes()).digest()
 
 
+def check_donor_folders(folders) -> None:
+    """An ExportError naming the first of ``folders`` (``--reuse-features``) that is not a folder."""
+    for folder in folders:
+        if not Path(folder).is_dir():
+            from dspark_edge.errors import ExportError
+
+            raise ExportError(f"--reuse-features {folder}: not a folder; pass an earlier train-drafter --work folder")
+
+
 class Donors:
     """Feature shards that earlier work folders (``train-drafter --reuse-features DIR``) already
     computed, taken instead of computing them again: each campaign run validates on every
@@ -149,12 +158,8 @@ class Donors:
 
     def __init__(self, folders: list[Path], decoder, top_k: int) -> None:
         self._by_key: dict[bytes, Path] = {}
+        check_donor_folders(folders)
         for folder in folders:
-            if not Path(folder).is_dir():
-                from dspark_edge.errors import ExportError
-
-                raise ExportError(f"--reuse-features {folder}: not a folder; pass an earlier train-drafter --work "
-                                  "folder")
             for p in sorted(Path(folder).glob("*/*.npz")):
                 if ".tmp" in p.name:
                     continue

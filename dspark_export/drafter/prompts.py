@@ -257,7 +257,7 @@ TASK_CODE_ACTIONS = [
     "capitalises the first letter of every word in",
 ]
 TASK_CODE_THINGS = ["a list of numbers", "a sentence", "a list of strings", "a text file's lines"]
-TASK_CODE_LANGS = ["Python", "Python", "JavaScript"]
+TASK_CODE_LANGS = ["Python", "JavaScript"]
 
 PASSAGE_TASKS = PROSE_TASKS + [
     "Give a short summary of this note: {x}",
@@ -272,12 +272,7 @@ PASSAGE_TASKS = PROSE_TASKS + [
 def answer_passages(texts, lo: int = 200, hi: int = 800) -> list[str]:
     """The first plain-prose paragraph of ``lo``–``hi`` characters of each text (the target's
     earlier answers), at most one per text, in the texts' order."""
-    out = []
-    for text in texts:
-        for para in prose_paragraphs(text, lo, hi):
-            out.append(para)
-            break
-    return out
+    return [paras[0] for paras in (prose_paragraphs(text, lo, hi) for text in texts) if paras]
 
 
 def task_prompts(count: int, seed: int = 0, passages: list[str] = ()) -> list[dict]:
@@ -289,7 +284,7 @@ def task_prompts(count: int, seed: int = 0, passages: list[str] = ()) -> list[di
     rng = random.Random(seed + 2)
     family = [(c, t.format(t=topic)) for topic in TASK_TOPICS for c, t in TASK_TEMPLATES]
     family += [("code", f"Write a {lang} function that {act} {thing}.")
-               for act in TASK_CODE_ACTIONS for thing in TASK_CODE_THINGS for lang in dict.fromkeys(TASK_CODE_LANGS)]
+               for act in TASK_CODE_ACTIONS for thing in TASK_CODE_THINGS for lang in TASK_CODE_LANGS]
     rng.shuffle(family)
     order = list(passages)
     rng.shuffle(order)

@@ -118,10 +118,11 @@ def build_text_shards(decoder, seqs: list[tuple[list[int], list[int]]], folder: 
 
     def make(i: int) -> str:
         part = seqs[i * per_shard:(i + 1) * per_shard]
+        what = f"{sum(len(a) for _, a in part)} tokens"
         if donors is not None and donors.take(part, paths[i]):
-            return f"{sum(len(a) for _, a in part)} tokens, taken from an earlier work folder"
+            return what + ", taken from an earlier work folder"
         write_shard(paths[i], decoder, part, top_k)
-        return f"{sum(len(a) for _, a in part)} tokens"
+        return what
 
     fill_shards(paths, make, "text", progress)
     return paths
