@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--init-from", type=Path, default=None, metavar="DRAFTER_DIR",
                     help="start from a drafter folder's weights and draft vocabulary (a previous run's OUTPUT; its "
                          "shape wins) instead of from the target's layers: a campaign over several runs")
+    tr.add_argument("--add-layers", type=int, default=0, metavar="K",
+                    help="with --init-from: append K layers to its drafter, each a copy of its last layer whose "
+                         "output projections start at zero, so training starts from what the drafter computed "
+                         "(more capacity without starting over; default: %(default)s)")
     tr.add_argument("--reuse-features", type=Path, action="append", default=[], metavar="WORK_DIR",
                     help="an earlier run's --work folder whose feature shards (held-out answers, package text) this "
                          "run takes where it needs the same answers, after checking one sequence a folder against "
@@ -310,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 data_to=args.data_to,
                 layers=args.layers, slots=args.slots,
                 draft_vocab=args.draft_vocab, markov_rank=args.markov_rank, steps=args.steps, lr=args.lr,
-                mask_token_id=args.mask_token_id, bf16=args.bf16, init_from=args.init_from,
+                mask_token_id=args.mask_token_id, bf16=args.bf16, init_from=args.init_from, add_layers=args.add_layers,
                 reuse_features=tuple(args.reuse_features)),
                 progress=progress)
             return 0

@@ -5,6 +5,7 @@ answers, and a run started from a previous drafter carries that drafter's learni
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -236,3 +237,33 @@ def test_a_missing_reuse_folder_is_refused_before_the_work_folder_is_touched(tin
     with pytest.raises(ExportError, match="--reuse-features .*missing: not a folder"):
         _train(tiny_engine, tiny_hf, recorded[0], tmp_path / "w", tmp_path / "d", reuse_features=(tmp_path / "missing",))
     assert not (tmp_path / "w").exists() and not (tmp_path / "d").exists()
+
+
+def test_a_run_can_grow_the_drafter_it_starts_from(tiny_engine, tiny_hf, recorded, tmp_path):
+    """--add-layers: the run starts from the folder's drafter with a layer appended (as the
+    identity: with a zero learning rate the old tensors come out unchanged and the new layer's
+    output projections zero); the grown drafter installs; its work folder refuses to resume
+    with another shape, and --add-layers without --init-from is refused."""
+    from dspark_export.drafter.build import TrainDrafterOptions
+    from dspark_export.drafter.install import install_drafter
+
+    small, large = recorded
+    first, _ = _train(tiny_engine, tiny_hf, small, tmp_path / "w1", tmp_path / "d1")
+    grown, msgs = _train(tiny_engine, tiny_hf, large, tmp_path / "w2", tmp_path / "d2", steps=2, lr=0.0,
+                         init_from=first, add_layers=1)
+    assert any("grown to 2 layers" in m for m in msgs)
+    assert json.loads((grown / "drafter.json").read_text())["config"]["num_layers"] == 2
+    before, after = np.load(first / "weights.npz"), np.load(grown / "weights.npz")
+    assert set(before.files) < set(after.files)
+    for k in before.files:
+        assert np.array_equal(before[k], after[k]), k
+    assert not after["layers.1.o.weight"].any() and not after["layers.1.down.weight"].any()
+    assert np.array_equal(after["layers.1.q.weight"], before["layers.0.q.weight"])
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine, engine)
+    install_drafter(engine, grown, blocks=(2, 4), precisions=("fp32",), source=str(tiny_hf), progress=msgs.append)
+    assert read_manifest(engine).drafter.num_layers == 2
+    with pytest.raises(ExportError, match="another shape"):  # the work folder holds a 2-layer checkpoint
+        _train(tiny_engine, tiny_hf, large, tmp_path / "w2", tmp_path / "d3", steps=3, init_from=first)
+    with pytest.raises(ExportError, match="without --init-from"):
+        TrainDrafterOptions(target_engine=tiny_engine, output=tmp_path / "o", work=tmp_path / "w", add_layers=1)

@@ -71,6 +71,62 @@ def test_block_sees_only_its_context_and_its_own_slots():
     assert not torch.allclose(h0[0, 2 * s:], h3[0, 2 * s:], atol=1e-3)
 
 
+def test_a_grown_drafter_computes_what_it_computed_before_and_trains_its_new_layer():
+    """``grow``: the appended layer starts as the identity (the same outputs, bit for bit up to
+    the order of float additions), and one optimizer step later it is no longer the identity."""
+    model, data = _model(), _data()
+    batch = make_batch(data, [0, 1], 3, CFG.slots, _to_draft(model), np.random.default_rng(0),
+                       fixed_anchors=[[10, 25, 30], [6, 20, 33]])
+    with torch.no_grad():
+        before = forward_batch(model, batch)
+    model.grow(1)
+    assert model.cfg.num_layers == 3 and len(model.layers) == 3
+    assert all(layer.cfg.num_layers == 3 for layer in model.layers)
+    assert torch.equal(model.layers[2].q.weight, model.layers[1].q.weight)
+    assert not model.layers[2].o.weight.any() and not model.layers[2].down.weight.any()
+    with torch.no_grad():
+        after = forward_batch(model, batch)
+    for k in ("lab_logp", "tv", "conf_logit"):
+        assert torch.allclose(before[k], after[k], atol=1e-6), k
+    model.train()
+    q0, gate0 = model.layers[2].q.weight.detach().clone(), model.layers[2].gate.weight.detach().clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    for _ in range(2):  # the first step moves o and down, the second then reaches q, k, v, gate, up
+        loss = -forward_batch(model, batch)["lab_logp"].mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    new = model.layers[2]
+    assert new.o.weight.any() and new.down.weight.any()
+    assert not torch.equal(new.q.weight, q0) and not torch.equal(new.gate.weight, gate0)
+    with pytest.raises(ValueError):
+        model.grow(-1)
+
+
+def test_runtime_walk_starts_each_round_after_the_last_accepted_draft():
+    from dspark_export.drafter.train import runtime_walk
+
+    # rounds at positions 0 (2 accepted), 3 (1), 5 (0); then 6 is past the end. Second answer: 0, 1 (3).
+    out = runtime_walk([np.array([2, 0, 5, 1, 0, 0]), np.array([0, 3, 1, 1])], slots=4)
+    assert out["rounds"] == 5
+    assert out["tau"] == pytest.approx(1 + (2 + 1 + 0 + 0 + 3) / 5)
+    assert out["reach"] == pytest.approx([3 / 5, 2 / 5, 1 / 5, 0.0])
+    assert runtime_walk([], slots=2) == {"tau": 1.0, "rounds": 0, "reach": [0.0, 0.0]}
+
+
+def test_every_position_rounds_line_up_with_the_answer_positions():
+    """``per_sequence`` holds one entry per answer position, the used blocks' accepted drafts in
+    order and 0 at the unused ones, and the walk over it agrees with the blocks it visits."""
+    from dspark_export.drafter.train import held_out_rounds, runtime_walk
+
+    model, data = _model(), _data(n=3)
+    per: list = []
+    acc, _, _ = held_out_rounds(model, data, [0, 2], CFG.slots, anchors=None, per_sequence=per)
+    assert [p.size for p in per] == [40 - 5 - 1] * 2
+    assert sorted(np.concatenate(per)[np.concatenate(per) > 0]) == sorted(acc[acc > 0])
+    assert runtime_walk(per, CFG.slots)["rounds"] <= sum(p.size for p in per)
+
+
 def test_short_blocks_mask_their_extra_slots():
     model, data = _model(), _data()
     rng = np.random.default_rng(0)

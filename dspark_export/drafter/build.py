@@ -55,6 +55,7 @@ class TrainDrafterOptions:
     mask_token_id: int | None = None  # the DeepSpec checkpoint's mask token; None: default_mask_token
     bf16: bool = False  # train under bfloat16 autocast (bench/train_bf16.py measures what it buys)
     init_from: Path | None = None  # a drafter folder whose weights (and draft vocabulary) start this run
+    add_layers: int = 0  # with init_from: layers appended to its drafter, each starting as the identity
     reuse_features: tuple[Path, ...] = ()  # earlier work folders whose feature shards this run may take (Donors)
 
     def __post_init__(self) -> None:
@@ -70,6 +71,10 @@ class TrainDrafterOptions:
                               + ("" if self.data is not None else " without --data"))
         if self.data_to is not None and (self.data is None or self.data_to <= self.data_from):
             raise ExportError(f"--data-to {self.data_to} must come with --data and exceed --data-from {self.data_from}")
+        if self.add_layers < 0 or (self.add_layers and self.init_from is None):
+            raise ExportError(f"--add-layers grows the drafter of --init-from by that many layers; got {self.add_layers}"
+                              + ("" if self.init_from is not None else " without --init-from (a new drafter takes "
+                                 "--layers)"))
         if self.data is not None and self.answers is not None:
             raise ExportError("--data trains on every answer of its file and generates none; --answers (answers "
                               "to reuse while generating the rest) does not apply with it: pass one of them")
@@ -85,11 +90,13 @@ LEARNING_CURVE = "learning_curve.jsonl"
 
 
 def write_learning_curve(path: Path, prior: Path | None, history: list[dict], seqs_per_step: int,
-                         train_answers: int, held_out: int, data: str) -> None:
+                         train_answers: int, held_out: int, data: str, runtime: dict | None = None) -> None:
     """``path``: the learning curve of a drafter across the runs that made it, one JSON line per
     validation: the run (1 = trained from the target's layers; each ``--init-from`` run adds
     one), optimizer steps and sequences drawn since the first run, the training and held-out
-    answers this run had, and the held-out τ and per-position reach. ``prior``: the curve of
+    answers this run had, and the held-out τ and per-position reach at uniform anchors; the
+    run's last row adds ``runtime_tau`` / ``runtime_reach`` (``runtime``: rounds anchored where
+    decoding would start them, ``train.runtime_walk``). ``prior``: the curve of
     the folder this run started from (``start_curve``), carried over, so a campaign's curve is
     one file, committed with its weights."""
     rows: list[dict] = []
@@ -111,6 +118,8 @@ def write_learning_curve(path: Path, prior: Path | None, history: list[dict], se
                      "sequences_drawn": base_drawn + h["step"] * seqs_per_step, "train_answers": train_answers,
                      "held_out_answers": held_out, "tau": round(h["tau"], 4),
                      "reach": [round(r, 4) for r in h["reach"]], "data": data})
+    if runtime is not None and history:
+        rows[-1] |= {"runtime_tau": round(runtime["tau"], 4), "runtime_reach": [round(r, 4) for r in runtime["reach"]]}
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
@@ -241,6 +250,7 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
         choose_draft_vocab,
         held_out_rounds,
         recorded_split,
+        runtime_walk,
         train,
     )
 
@@ -367,6 +377,11 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     if init is not None:
         model.load_state_dict({k: torch.from_numpy(v.astype(np.float32) if v.dtype.kind == "f" else v)
                                for k, v in init[1].items()}, strict=True)
+        if opts.add_layers:
+            model.grow(opts.add_layers)
+            cfg = model.cfg
+            progress(f"      grown to {cfg.num_layers} layers (the new ones start as the identity: the drafter "
+                     "computes what it computed before)")
     else:
         init_from_target(model, target)
     progress(f"[3/4] training {sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.1f} M "
@@ -379,7 +394,12 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     result = train(model, data, train_ids, val_ids, opts.work, tr_opts, progress=lambda s: progress("      " + s),
                    answers=answers)
     progress("[4/4] calibrating the confidence head on held-out rounds")
-    accepted, z, _ = held_out_rounds(model, data, val_ids, cfg.slots, anchors=None)
+    per_sequence: list = []
+    accepted, z, _ = held_out_rounds(model, data, val_ids, cfg.slots, anchors=None, per_sequence=per_sequence)
+    runtime = runtime_walk(per_sequence, cfg.slots)
+    progress(f"      held-out τ where decoding meets it (rounds from each answer's start, each after the last "
+             f"accepted draft; {runtime['rounds']} rounds of {cfg.slots} drafts): {runtime['tau']:.2f}, first draft "
+             f"{runtime['reach'][0]:.0%} (uniform anchors: {result['history'][-1]['tau']:.2f})")
     half = np.random.default_rng(opts.seed).permutation(accepted.size) < accepted.size // 2
     temps, biases = calibrate.fit_calibration(z[half], accepted[half])
     rep = calibrate.report(z[~half], accepted[~half], temps, biases)
@@ -397,13 +417,14 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
         "training": {"command": " ".join(sys.argv), "options": {k: str(v) for k, v in asdict(opts).items()},
                      "data": f"{data_note}; {text_note}",
                      "sequences": len(data), "tokens": int(data.tokens.size), "steps": result["steps"],
-                     "validation": result["history"], "draft_vocab_coverage": coverage,
+                     "validation": result["history"], "runtime_validation": runtime,
+                     "draft_vocab_coverage": coverage,
                      "minutes_this_run": round((time.perf_counter() - t0) / 60, 1)},
     }
     save_drafter(model, stage, meta)
     write_learning_curve(stage / LEARNING_CURVE, prior_curve, result["history"], seqs_per_step=tr_opts.seqs_per_step,
                          train_answers=int(np.sum(np.asarray(train_ids) < answers)), held_out=len(val_ids),
-                         data=str(opts.data or opts.answers or opts.work))
+                         data=str(opts.data or opts.answers or opts.work), runtime=runtime)
     from .deepspec_export import DEEPSPEC_DIR, write_deepspec
 
     write_deepspec(model, target.config.to_dict(), stage / DEEPSPEC_DIR, mask_token_id=opts.mask_token_id

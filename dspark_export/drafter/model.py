@@ -19,7 +19,7 @@ emits most often (``vocab_ids``); a token outside it maps to the extra Markov ro
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -164,6 +164,28 @@ class DSparkDraft(nn.Module):
         to_draft = torch.full((embed.shape[0],), vd, dtype=torch.long)
         to_draft[vocab_ids] = torch.arange(vd)
         self.register_buffer("to_draft", to_draft, persistent=False)
+
+    def grow(self, extra: int) -> None:
+        """Append ``extra`` layers after the last one, each starting as the identity: a copy of
+        the last layer with its attention output and MLP down projections zeroed, so both
+        residual branches add nothing and the grown drafter computes exactly what it computed
+        before. Training then has the new layers' capacity to fill, from that point on, instead
+        of from a random start."""
+        if extra < 0:
+            raise ValueError(f"cannot grow by {extra} layers")
+        cfg = replace(self.cfg, num_layers=self.cfg.num_layers + extra)
+        for _ in range(extra):
+            layer = DraftLayer(cfg).to(self.fc.weight.device)
+            layer.load_state_dict(self.layers[-1].state_dict())
+            with torch.no_grad():
+                for proj in (layer.o, layer.down):
+                    proj.weight.zero_()
+                    if proj.bias is not None:
+                        proj.bias.zero_()
+            self.layers.append(layer)
+        self.cfg = cfg
+        for layer in self.layers:
+            layer.cfg = cfg
 
     def trainable_state(self) -> dict:
         """What a checkpoint stores: everything but the target's frozen tables."""

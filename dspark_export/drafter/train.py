@@ -200,7 +200,8 @@ def forward_batch(model: DSparkDraft, batch: dict) -> dict:
 def greedy_rounds(model: DSparkDraft, batch: dict, anchors: int, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Greedy drafting exactly as the runtime does it (each slot's Markov input is the drafter's
     own previous draft). Returns (accepted drafts [N], raw confidence logits [N, γ], valid
-    slots [N]) for the N used blocks."""
+    slots [N]) for the N used blocks, and which of the S·A blocks were used (a block is unused
+    when it has no slot or its first label lies outside the draft vocabulary)."""
     feats, pos = batch["feats"], batch["pos"]
     s, lmax, _ = feats.shape
     ctx = model.context(feats)
@@ -221,7 +222,7 @@ def greedy_rounds(model: DSparkDraft, batch: dict, anchors: int, slots: int) -> 
     used = valid[:, :, 0].reshape(-1).numpy()
     z = torch.stack(z, -1).reshape(s * anchors, slots).numpy()[used]
     n_valid = valid.sum(-1).reshape(-1).numpy()[used]
-    return accepted.reshape(-1).numpy()[used], z, n_valid
+    return accepted.reshape(-1).numpy()[used], z, n_valid, used
 
 
 def loss_of(out: dict, batch: dict, opts: TrainOptions, slots: int) -> tuple[torch.Tensor, dict]:
@@ -255,9 +256,12 @@ def validation_anchors(data: Sequences, seq_ids, anchors: int, seed: int = 1) ->
 
 
 def held_out_rounds(model: DSparkDraft, data: Sequences, val_ids, slots: int, anchors: int | None = 24,
-                    seed: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    seed: int = 1, per_sequence: list | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``greedy_rounds`` over held-out sequences at fixed anchors (``anchors=None``: every
-    answer position). Concatenated (accepted, z, valid slots)."""
+    answer position). Concatenated (accepted, z, valid slots) of the used blocks. With
+    ``anchors=None``, ``per_sequence`` (a list) receives for each sequence the accepted drafts
+    at each answer position in order, 0 at an unused block (its target token lies outside the
+    draft vocabulary, so no draft matches it): what ``runtime_walk`` reads."""
     model.eval()
     rng = np.random.default_rng(seed)
     to_draft = model.to_draft.numpy()
@@ -267,12 +271,38 @@ def held_out_rounds(model: DSparkDraft, data: Sequences, val_ids, slots: int, an
         cand = np.arange(int(data.prompt_lens[int(i)]), b - a - 1)
         if anchors is not None and cand.size > anchors:
             cand = np.sort(rng.choice(cand, size=anchors, replace=False))
+        full = np.zeros(cand.size, dtype=np.int64)
         for c0 in range(0, cand.size, 64):
             chunk = cand[c0:c0 + 64]
             batch = make_batch(data, [i], chunk.size, slots, to_draft, rng, fixed_anchors=[chunk])
-            parts.append(greedy_rounds(model, batch, chunk.size, slots))
+            acc, z, n_valid, used = greedy_rounds(model, batch, chunk.size, slots)
+            full[c0 + np.flatnonzero(used)] = acc
+            parts.append((acc, z, n_valid))
+        if per_sequence is not None and anchors is None:
+            per_sequence.append(full)
     model.train()
     return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
+
+
+def runtime_walk(per_sequence: list[np.ndarray], slots: int) -> dict:
+    """Greedy acceptance where the runtime meets it, from the accepted drafts at every answer
+    position (``held_out_rounds(anchors=None, per_sequence=...)``): the first round drafts from
+    the answer's first token, and each next round from the token right after the last accepted
+    draft (the target's own token there), as decoding at a fixed block of ``slots`` drafts
+    proceeds. Uniform anchors weigh every position alike; these rounds start right after a
+    rejection more often, harder positions, so this τ is the lower and the one decoding sees
+    on these answers. Returns τ (accepted + 1 a round), the rounds and the per-position reach."""
+    rounds = []
+    for acc in per_sequence:
+        n = 0
+        while n < acc.size:
+            rounds.append(int(acc[n]))
+            n += int(acc[n]) + 1
+    r = np.asarray(rounds, dtype=np.int64)
+    if not r.size:
+        return {"tau": 1.0, "rounds": 0, "reach": [0.0] * slots}
+    return {"tau": float(1 + r.mean()), "rounds": int(r.size),
+            "reach": [float((r >= k).mean()) for k in range(1, slots + 1)]}
 
 
 def validate(model: DSparkDraft, data: Sequences, val_ids, slots: int, anchors: int = 24) -> dict:
@@ -323,6 +353,14 @@ def train(model: DSparkDraft, data: Sequences, train_ids, val_ids, work: Path, o
     ckpt, step, history = work / "checkpoint.pt", 0, []
     if ckpt.is_file():
         state = load_checkpoint(ckpt)
+        if "config" in state and state["config"] != model.cfg.to_dict():
+            from dspark_edge.errors import ExportError
+
+            theirs = state["config"] if isinstance(state["config"], dict) else {}
+            diff = sorted(k for k, v in model.cfg.to_dict().items() if theirs.get(k) != v)
+            raise ExportError(f"{ckpt} holds a drafter of another shape ({', '.join(diff) or 'config'} differ: "
+                              f"{', '.join(f'{k} {theirs.get(k)!r} there, {getattr(model.cfg, k)!r} now' for k in diff)}); "
+                              "resume with the options that started it, or pass another --work folder")
         model.load_state_dict(state["model"], strict=False)
         opt.load_state_dict(state["opt"])
         step, history = state["step"], state["history"]
