@@ -68,7 +68,7 @@ def main() -> int:
             acc, _, _ = held_out_rounds(model, data, ids, model.cfg.slots)
             held_out_rounds(model, data, ids, model.cfg.slots, anchors=None, per_sequence=per)
             rt = runtime_walk(per, model.cfg.slots)
-            print(json.dumps({"weights": str(w), "answers": name, "sequences": int(len(ids)), "blocks": int(acc.size),
+            print(json.dumps({"weights": str(w), "answers": name, "sequences": len(ids), "blocks": int(acc.size),
                               "tau": round(float(1 + acc.mean()), 3),
                               "reach": [round(float((acc >= k).mean()), 3) for k in range(1, model.cfg.slots + 1)],
                               "runtime_tau": round(rt["tau"], 3), "runtime_rounds": rt["rounds"],
@@ -76,9 +76,10 @@ def main() -> int:
     return 0
 
 
-def campaign_sets(work: Path):
+def campaign_sets(work: Path, with_text: bool = False):
     """The held-out answers of a ``train-drafter --data`` work folder, as the run loaded them
-    (the answers it picked in file order), in all and by kind."""
+    (the answers it picked in file order), in all and by kind; ``with_text``: the folder's
+    package-text shards loaded after the answers (positions from the answers' count on)."""
     import numpy as np
 
     from dspark_edge.errors import ConfigError
@@ -104,7 +105,7 @@ def campaign_sets(work: Path):
     if count_sequences(shards) != chosen.size:
         raise ConfigError(f"{work}/answers holds {count_sequences(shards)} answers, the run picked {chosen.size}; "
                           "let its features finish first (run its train-drafter command again)")
-    data = load_shards(shards)
+    data = load_shards(shards + (sorted((work / "text").glob("shard-*.npz")) if with_text else []))
     pos = np.flatnonzero(np.isin(chosen, held))
     kinds = recorded.kinds[chosen[pos]]
     sets = {"all": pos} | {KINDS[k]: pos[kinds == k] for k in np.unique(kinds)}
