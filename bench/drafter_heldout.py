@@ -40,6 +40,8 @@ def main() -> int:
     ap.add_argument("--source", default="default", help="the target's source (embeddings, LM head)")
     ap.add_argument("--limit", type=int, default=None, metavar="N",
                     help="at most N answers a set, evenly spaced over it (default: all)")
+    ap.add_argument("--sets", default=None, metavar="NAMES",
+                    help="comma-separated sets to measure, e.g. all or magpie,task (default: every one)")
     args = ap.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")  # the source's loading bars: no carriage-return spam in logs
 
@@ -55,6 +57,12 @@ def main() -> int:
             raise ConfigError(f"{w} is not a drafter folder (no drafter.json); train one with "
                               "`python -m export train-drafter`")
     data, sets = campaign_sets(args.work) if (args.work / "answers").is_dir() else prompt_sets(args)
+    if args.sets is not None:
+        wanted = [x for x in args.sets.split(",") if x]
+        unknown = [x for x in wanted if x not in sets]
+        if unknown or not wanted:
+            raise ConfigError(f"--sets {args.sets}: this work folder has the sets {', '.join(sets)}")
+        sets = {k: sets[k] for k in wanted}
     if args.limit is not None:
         if args.limit < 1:
             raise ConfigError(f"--limit must be at least 1, got {args.limit}")
