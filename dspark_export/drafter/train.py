@@ -197,7 +197,8 @@ def forward_batch(model: DSparkDraft, batch: dict) -> dict:
 
 
 @torch.no_grad()
-def greedy_rounds(model: DSparkDraft, batch: dict, anchors: int, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def greedy_rounds(model: DSparkDraft, batch: dict, anchors: int,
+                  slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Greedy drafting exactly as the runtime does it (each slot's Markov input is the drafter's
     own previous draft). Returns (accepted drafts [N], raw confidence logits [N, γ], valid
     slots [N]) for the N used blocks, and which of the S·A blocks were used (a block is unused
