@@ -49,7 +49,7 @@ def main() -> int:
 
     from dspark_edge.errors import ConfigError
     from dspark_export.drafter.build import load_drafter
-    from dspark_export.drafter.train import held_out_rounds, runtime_walk
+    from dspark_export.drafter.train import validate, validate_runtime
     from dspark_export.sources import load_source, resolve_source
 
     for w in args.weights:
@@ -72,13 +72,10 @@ def main() -> int:
     for w in args.weights:
         model, _ = load_drafter(w, target)
         for name, ids in sets.items():
-            per: list = []
-            acc, _, _ = held_out_rounds(model, data, ids, model.cfg.slots)
-            held_out_rounds(model, data, ids, model.cfg.slots, anchors=None, per_sequence=per)
-            rt = runtime_walk(per, model.cfg.slots)
-            print(json.dumps({"weights": str(w), "answers": name, "sequences": len(ids), "blocks": int(acc.size),
-                              "tau": round(float(1 + acc.mean()), 3),
-                              "reach": [round(float((acc >= k).mean()), 3) for k in range(1, model.cfg.slots + 1)],
+            v = validate(model, data, ids, model.cfg.slots)
+            rt = validate_runtime(model, data, ids, model.cfg.slots)
+            print(json.dumps({"weights": str(w), "answers": name, "sequences": len(ids), "blocks": v["blocks"],
+                              "tau": round(v["tau"], 3), "reach": [round(r, 3) for r in v["reach"]],
                               "runtime_tau": round(rt["tau"], 3), "runtime_rounds": rt["rounds"],
                               "runtime_reach": [round(r, 3) for r in rt["reach"]]}), flush=True)
     return 0

@@ -46,9 +46,9 @@ def main() -> int:
     from dspark_export.drafter.data import count_sequences
     from dspark_export.drafter.train import (
         TrainOptions,
-        held_out_rounds,
-        runtime_walk,
         train,
+        validate,
+        validate_runtime,
     )
     from dspark_export.sources import load_source, resolve_source
 
@@ -57,6 +57,9 @@ def main() -> int:
 
     if args.steps < 1 or args.held_out < 1:
         raise ConfigError("--steps and --held-out must be at least 1")
+    if not (args.init_from / "drafter.json").is_file():
+        raise ConfigError(f"--init-from {args.init_from} is not a drafter folder (no drafter.json); train one with "
+                          "`python -m export train-drafter`")
     data, sets = campaign_sets(args.work, with_text=True)
     n_answers = count_sequences(sorted((args.work / "answers").glob("shard-*.npz")))
     held = sets["all"]
@@ -64,15 +67,12 @@ def main() -> int:
     val = held[np.linspace(0, held.size - 1, min(args.held_out, held.size)).astype(int)]
     target, _ = load_source(resolve_source(args.source))
 
-    def measure(model) -> dict:
-        per: list = []
-        acc, _, _ = held_out_rounds(model, data, val, model.cfg.slots)
-        held_out_rounds(model, data, val, model.cfg.slots, anchors=None, per_sequence=per)
-        return {"tau": round(float(1 + acc.mean()), 4), "runtime_tau": round(runtime_walk(per, model.cfg.slots)["tau"], 4)}
+    def measure(model, tau: float) -> dict:
+        return {"tau": round(tau, 4), "runtime_tau": round(validate_runtime(model, data, val, model.cfg.slots)["tau"], 4)}
 
     start, _ = load_drafter(args.init_from, target)
     out = {"work": str(args.work), "init_from": str(args.init_from), "steps": args.steps,
-           "held_out_answers": int(val.size), "start": measure(start)}
+           "held_out_answers": int(val.size), "start": measure(start, validate(start, data, val, start.cfg.slots)["tau"])}
     print(json.dumps(out), file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("fp32", "bf16"):
@@ -80,15 +80,15 @@ def main() -> int:
             model.train()
             folder = Path(tmp) / mode
             folder.mkdir()
-            # validated once, at the end, on the same answers (train's own uniform-anchor τ)
+            # train validates once, at its last step, on the same answers: its uniform-anchor τ
             opts = TrainOptions(steps=args.steps, validate_every=args.steps, checkpoint_every=args.steps,
                                 bf16=mode == "bf16")
             t0 = time.perf_counter()
-            train(model, data, train_ids, val, folder, opts, answers=n_answers,
-                  progress=lambda m, mode=mode: print(f"[{mode}] {m}", file=sys.stderr, flush=True))
+            result = train(model, data, train_ids, val, folder, opts, answers=n_answers,
+                           progress=lambda m, mode=mode: print(f"[{mode}] {m}", file=sys.stderr, flush=True))
             secs = (time.perf_counter() - t0) / args.steps  # the one validation included
             with torch.no_grad():
-                out[mode] = {"s_per_step": round(secs, 3), **measure(model)}
+                out[mode] = {"s_per_step": round(secs, 3), **measure(model, result["history"][-1]["tau"])}
             print(json.dumps({mode: out[mode]}), file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))
     return 0

@@ -117,7 +117,7 @@ def test_runtime_walk_starts_each_round_after_the_last_accepted_draft():
 def test_every_position_rounds_line_up_with_the_answer_positions():
     """``per_sequence`` holds one entry per answer position, the used blocks' accepted drafts in
     order and 0 at the unused ones, and the walk over it agrees with the blocks it visits."""
-    from dspark_export.drafter.train import held_out_rounds, runtime_walk
+    from dspark_export.drafter.train import held_out_rounds, runtime_walk, validate_runtime
 
     model, data = _model(), _data(n=3)
     per: list = []
@@ -125,6 +125,7 @@ def test_every_position_rounds_line_up_with_the_answer_positions():
     assert [p.size for p in per] == [40 - 5 - 1] * 2
     assert sorted(np.concatenate(per)[np.concatenate(per) > 0]) == sorted(acc[acc > 0])
     assert runtime_walk(per, CFG.slots)["rounds"] <= sum(p.size for p in per)
+    assert validate_runtime(model, data, [0, 2], CFG.slots) == runtime_walk(per, CFG.slots)
 
 
 def test_short_blocks_mask_their_extra_slots():

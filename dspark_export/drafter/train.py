@@ -313,6 +313,13 @@ def validate(model: DSparkDraft, data: Sequences, val_ids, slots: int, anchors: 
             "reach": [float((acc >= k).mean()) for k in range(1, slots + 1)]}
 
 
+def validate_runtime(model: DSparkDraft, data: Sequences, val_ids, slots: int) -> dict:
+    """``runtime_walk`` over held-out data: τ in rounds anchored where decoding starts them."""
+    per: list = []
+    held_out_rounds(model, data, val_ids, slots, anchors=None, per_sequence=per)
+    return runtime_walk(per, slots)
+
+
 def _lr(step: int, opts: TrainOptions) -> float:
     if step < opts.warmup:
         return opts.lr * (step + 1) / opts.warmup
