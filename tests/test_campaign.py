@@ -239,6 +239,41 @@ def test_a_missing_reuse_folder_is_refused_before_the_work_folder_is_touched(tin
     assert not (tmp_path / "w").exists() and not (tmp_path / "d").exists()
 
 
+def test_a_run_widens_the_drafter_it_starts_from_to_the_streams_the_engine_exposes(tiny_engine, tiny_hf, recorded,
+                                                                                    tmp_path):
+    """A drafter trained on an engine exposing stream 2 starts a run on one exposing 1 and 2:
+    with a zero learning rate its context projection comes out with stream 2's columns where
+    they were and stream 1's zero; the widened drafter installs into the wider engine, and the
+    narrow one is refused there with the fix named."""
+    from dspark_export import ExportOptions, export_target
+    from dspark_export.drafter.install import install_drafter
+
+    assert tuple(read_manifest(tiny_engine).hidden_state_layers) == (1, 2)
+    narrow_engine = tmp_path / "narrow"
+    export_target(ExportOptions(source=str(tiny_hf), output=narrow_engine, precisions=("fp32",), widths=(1, 2, 4),
+                                hidden_layers=(2,), validate=False), progress=lambda s: None)
+    small, large = recorded
+    first, _ = _train(narrow_engine, tiny_hf, small, tmp_path / "w1", tmp_path / "d1")
+    wide, msgs = _train(tiny_engine, tiny_hf, large, tmp_path / "w2", tmp_path / "d2", steps=2, lr=0.0,
+                        init_from=first)
+    assert any("widened from target streams [2] to [1, 2]" in m for m in msgs)
+    meta = json.loads((wide / "drafter.json").read_text())
+    assert meta["config"]["feature_layers"] == [1, 2] and meta["target"]["hidden_state_layers"] == [1, 2]
+    before, after = np.load(first / "weights.npz"), np.load(wide / "weights.npz")
+    h = before["fc.weight"].shape[0]
+    assert after["fc.weight"].shape == (h, 2 * h)
+    assert not after["fc.weight"][:, :h].any() and np.array_equal(after["fc.weight"][:, h:], before["fc.weight"])
+    for k in before.files:
+        if k != "fc.weight":
+            assert np.array_equal(before[k], after[k]), k
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine, engine)
+    with pytest.raises(ExportError, match="re-export the target with --hidden-layers 2 .*widens"):
+        install_drafter(engine, first, blocks=(2,), precisions=("fp32",), source=str(tiny_hf), progress=msgs.append)
+    install_drafter(engine, wide, blocks=(2,), precisions=("fp32",), source=str(tiny_hf), progress=msgs.append)
+    assert tuple(read_manifest(engine).drafter.feature_layers) == (1, 2)
+
+
 def test_a_run_can_grow_the_drafter_it_starts_from(tiny_engine, tiny_hf, recorded, tmp_path):
     """--add-layers: the run starts from the folder's drafter with a layer appended (as the
     identity: with a zero learning rate the old tensors come out unchanged and the new layer's

@@ -103,6 +103,42 @@ def test_a_grown_drafter_computes_what_it_computed_before_and_trains_its_new_lay
         model.grow(-1)
 
 
+def test_a_widened_drafter_computes_what_it_computed_before_and_learns_its_new_stream():
+    """``widen``: a drafter reading streams (1, 3) made to read (1, 2, 3) keeps its context
+    columns for 1 and 3 in their new places and starts stream 2's at zero, so on features whose
+    stream 2 is anything it computes what it did; one optimizer step later stream 2 counts."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(CFG, feature_layers=(1, 3))
+    model = DSparkDraft(cfg, torch.randn(V, H), torch.randn(V, H), torch.arange(100)).eval()
+    data = _data()
+    rng = np.random.default_rng(1)
+    wide = dataclasses.replace(data, aux=np.concatenate(
+        [data.aux[:, :H], rng.standard_normal((data.aux.shape[0], H)).astype(np.float16), data.aux[:, H:]], 1))
+    anchors = [[10, 25, 30], [6, 20, 33]]
+    batch = make_batch(data, [0, 1], 3, cfg.slots, _to_draft(model), np.random.default_rng(0), fixed_anchors=anchors)
+    with torch.no_grad():
+        before = forward_batch(model, batch)
+    old_fc = model.fc.weight.detach().clone()
+    model.widen((1, 2, 3))
+    assert model.cfg.feature_layers == (1, 2, 3) and model.fc.weight.shape == (H, 3 * H)
+    assert all(layer.cfg.feature_layers == (1, 2, 3) for layer in model.layers)
+    assert torch.equal(model.fc.weight[:, :H], old_fc[:, :H]) and torch.equal(model.fc.weight[:, 2 * H:], old_fc[:, H:])
+    assert not model.fc.weight[:, H:2 * H].any()
+    batch = make_batch(wide, [0, 1], 3, cfg.slots, _to_draft(model), np.random.default_rng(0), fixed_anchors=anchors)
+    with torch.no_grad():
+        after = forward_batch(model, batch)
+    for k in ("lab_logp", "tv", "conf_logit"):
+        assert torch.allclose(before[k], after[k], atol=1e-5), k
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    loss = -forward_batch(model, batch)["lab_logp"].mean()
+    loss.backward()
+    opt.step()
+    assert model.fc.weight[:, H:2 * H].any()
+    with pytest.raises(ValueError, match="would be dropped"):
+        model.widen((1, 2))
+
+
 def test_runtime_walk_starts_each_round_after_the_last_accepted_draft():
     from dspark_export.drafter.train import runtime_walk
 

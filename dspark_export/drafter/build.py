@@ -139,7 +139,7 @@ def read_init(folder: Path, target_engine: Path, manifest):
     from .install import _check_trained
     from .model import DraftConfig
 
-    meta, _ = _check_trained(target_engine, folder, manifest)
+    meta, _ = _check_trained(target_engine, folder, manifest, widen=True)
     try:
         cfg = DraftConfig.from_dict(meta["config"])
         with np.load(folder / WEIGHTS) as f:
@@ -377,6 +377,13 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
     if init is not None:
         model.load_state_dict({k: torch.from_numpy(v.astype(np.float32) if v.dtype.kind == "f" else v)
                                for k, v in init[1].items()}, strict=True)
+        streams = tuple(manifest.hidden_state_layers)
+        if cfg.feature_layers != streams:
+            model.widen(streams)
+            progress(f"      widened from target streams {list(cfg.feature_layers)} to {list(streams)} (the "
+                     "engine exposes more; the new streams' context columns start at zero: the drafter computes "
+                     "what it computed before)")
+            cfg = model.cfg
         if opts.add_layers:
             model.grow(opts.add_layers)
             cfg = model.cfg

@@ -49,8 +49,10 @@ def real_features(target_engine: Path, manifest) -> tuple[list[int], np.ndarray]
     return ids, np.concatenate(rows).astype(np.float32)
 
 
-def _check_trained(target_engine: Path, weights: Path, manifest) -> tuple[dict, int]:
-    """(drafter.json, slots) of a drafter folder from ``train-drafter``, checked against the target."""
+def _check_trained(target_engine: Path, weights: Path, manifest, widen: bool = False) -> tuple[dict, int]:
+    """(drafter.json, slots) of a drafter folder from ``train-drafter``, checked against the target.
+    ``widen``: the drafter may read fewer of the target's streams than the engine exposes (a
+    training run that starts from it widens it), never others."""
     if not (weights / "drafter.json").is_file():
         raise ExportError(f"{weights} holds no trained drafter (drafter.json) and is not a DeepSpec checkpoint "
                           "(config.json naming Qwen3DSparkModel); train one with `python -m export train-drafter`")
@@ -59,9 +61,14 @@ def _check_trained(target_engine: Path, weights: Path, manifest) -> tuple[dict, 
         raise ExportError(f"{weights} was trained against a target with source sha256 "
                           f"{meta['target']['source_sha256'][:12]}…, but {target_engine} was exported from "
                           f"{manifest.model.source_sha256[:12]}…; train a drafter for this target")
-    if list(meta["target"]["hidden_state_layers"]) != list(manifest.hidden_state_layers):
-        raise ExportError(f"{weights} reads target layers {meta['target']['hidden_state_layers']} but "
-                          f"{target_engine} exposes {list(manifest.hidden_state_layers)}")
+    mine, theirs = list(meta["target"]["hidden_state_layers"]), list(manifest.hidden_state_layers)
+    if widen and set(mine) < set(theirs):
+        return meta, int(meta["config"]["slots"])
+    if mine != theirs:
+        raise ExportError(f"{weights} reads target layers {mine} but {target_engine} exposes {theirs}; re-export "
+                          f"the target with --hidden-layers {','.join(map(str, mine))}"
+                          + (" (or train from this drafter on it: train-drafter --init-from widens a drafter to "
+                             "streams it lacks)" if set(mine) < set(theirs) else ""))
     return meta, int(meta["config"]["slots"])
 
 

@@ -187,6 +187,28 @@ class DSparkDraft(nn.Module):
         for layer in self.layers:
             layer.cfg = cfg
 
+    def widen(self, feature_layers: tuple[int, ...]) -> None:
+        """Read the target streams ``feature_layers``, a superset of the ones read now: the
+        context projection gains zero columns for the new streams (the old streams' columns move
+        to their places in the new order), so the widened drafter computes exactly what it
+        computed before and training decides what the new streams are worth."""
+        old, new = tuple(self.cfg.feature_layers), tuple(feature_layers)
+        lost = [s for s in old if s not in new]
+        if lost or len(set(new)) != len(new):
+            raise ValueError(f"cannot widen streams {list(old)} to {list(new)}: "
+                             + (f"{lost} would be dropped" if lost else "a stream is named twice"))
+        h, w = self.cfg.hidden_size, self.fc.weight.detach()
+        fc = nn.Linear(h * len(new), h, bias=False).to(w.device)
+        with torch.no_grad():
+            fc.weight.zero_()
+            for i, s in enumerate(old):
+                j = new.index(s)
+                fc.weight[:, j * h:(j + 1) * h] = w[:, i * h:(i + 1) * h]
+        self.fc = fc
+        self.cfg = replace(self.cfg, feature_layers=new)
+        for layer in self.layers:
+            layer.cfg = self.cfg
+
     def trainable_state(self) -> dict:
         """What a checkpoint stores: everything but the target's frozen tables."""
         return {k: v for k, v in self.state_dict().items()}
