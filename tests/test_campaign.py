@@ -302,3 +302,27 @@ def test_a_run_can_grow_the_drafter_it_starts_from(tiny_engine, tiny_hf, recorde
         _train(tiny_engine, tiny_hf, large, tmp_path / "w2", tmp_path / "d3", steps=3, init_from=first)
     with pytest.raises(ExportError, match="without --init-from"):
         TrainDrafterOptions(target_engine=tiny_engine, output=tmp_path / "o", work=tmp_path / "w", add_layers=1)
+
+
+def test_train_arms_parses_what_each_arm_sets_and_refuses_the_rest():
+    """bench/train_arms.py: arms are KEY=VALUE pairs typed by TrainOptions' fields; unknown keys,
+    bad values, the fields the script fixes and a new_scale without streams=all are refused."""
+    import dataclasses
+    import sys
+
+    from dspark_edge.errors import ConfigError
+    from dspark_export.drafter.train import TrainOptions
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from train_arms import parse_arms
+
+    fields = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
+    arms = parse_arms("bf16=0; bf16=1, alpha_ce=0.5,alpha_tv=0.5; streams=all,new_scale=0.1,anchors=24", fields)
+    assert arms == [("bf16=0", {"bf16": False}), ("bf16=1, alpha_ce=0.5,alpha_tv=0.5",
+                                                   {"bf16": True, "alpha_ce": 0.5, "alpha_tv": 0.5}),
+                    ("streams=all,new_scale=0.1,anchors=24", {"streams": "all", "new_scale": 0.1, "anchors": 24})]
+    for bad, said in (("foo=1", "unknown key 'foo'"), ("bf16=2", "0 or 1"), ("alpha_ce=x", "not a number"),
+                      ("anchors=2.5", "not a whole number"), ("steps=3", "unknown key 'steps'"), ("streams=some", "own or all"),
+                      ("new_scale=0.1", "needs streams=all"), ("bf16", "not KEY=VALUE"), (" ; ", "names no arm")):
+        with pytest.raises(ConfigError, match=said):
+            parse_arms(bad, fields)
