@@ -230,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("--answers", type=int, default=2000, help="prompts to have answered in all (default: %(default)s)")
     da.add_argument("--output", type=Path, default=None,
                     help="pack every answer of the work folder into this answers file (.npz) at the end")
+    da.add_argument("--pack-first", type=int, default=None, metavar="N",
+                    help="with --output: pack only the folder's first N answers (a folder grown since a file was "
+                         "made from it packs that file's answers again, at the same indices)")
     da.add_argument("--prompts", type=int, default=None,
                     help="templated training prompts first (default: all of them)")
     da.add_argument("--copy-prompts", type=int, default=512,
@@ -357,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             from .data_engine import DataOptions, run
 
             run(DataOptions(target_engine=args.target, work=args.work, answers=args.answers, output=args.output,
-                            prompts=args.prompts,
+                            pack_first=args.pack_first, prompts=args.prompts,
                             copy_prompts=args.copy_prompts, tasks=args.tasks, passages=args.passages,
                             max_new_tokens=args.max_new_tokens, batch=args.batch,
                             threads=args.threads, seed=args.seed, per_shard=args.per_shard, backend=args.backend,

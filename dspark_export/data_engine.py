@@ -91,6 +91,7 @@ class DataOptions:
     threads: int | None = None
     seed: int = 0
     output: Path | None = None
+    pack_first: int | None = None  # with output: pack only the folder's first N answers (a grown folder, the old layout)
     backend: str = "genai"  # "genai" | "torch"
     device: str = "cpu"  # torch only: "cpu", "cuda", "cuda:N"
     source: str = "default"  # torch only: the engine's source model (export's --source)
@@ -102,6 +103,9 @@ class DataOptions:
         for name in ("prompts", "copy_prompts", "tasks"):
             if (getattr(self, name) or 0) < 0:
                 raise ExportError(f"--{name.replace('_', '-')} must be 0 (none) or more, got {getattr(self, name)}")
+        if self.pack_first is not None and (self.pack_first < 1 or self.output is None):
+            raise ExportError(f"--pack-first {self.pack_first}: pass a count of at least 1, with --output (it packs "
+                              "only the work folder's first N answers)")
         if self.passages is not None and not self.tasks:
             raise ExportError("--passages feeds the task prompts' passage tasks; pass --tasks N with it")
         if self.passages is not None and not Path(self.passages).is_file():
@@ -677,7 +681,10 @@ def _finish(opts: DataOptions, manifest: Manifest, stats: dict, progress: Progre
 
 
 def pack(work: Path, manifest: Manifest, opts: DataOptions, progress: Progress = print) -> Path:
-    """Every answered shard of ``work`` as one answers file (``answers.py``'s format)."""
+    """Every answered shard of ``work`` as one answers file (``answers.py``'s format); with
+    ``opts.pack_first``, only the first that many answers, in order: a folder that has grown
+    since an answers file was made from it gives that file's answers again, at the same indices,
+    which merged campaign files and their held-out draws depend on."""
     from .answers import write_answers
     from .atomic import export_command
 
@@ -689,11 +696,15 @@ def pack(work: Path, manifest: Manifest, opts: DataOptions, progress: Progress =
     for part in parts:
         off = part["offsets"]
         seqs += [part["tokens"][off[i]:off[i + 1]] for i in range(off.shape[0] - 1)]
+    n = len(seqs) if opts.pack_first is None else opts.pack_first
+    if n > len(seqs):
+        raise ExportError(f"--pack-first {n}: {work} holds {len(seqs)} answered prompts; pass at most that, or "
+                          "answer more first (a larger --answers)")
     identity = json.loads((work / "engine.json").read_text())
     meta = {"kinds": list(KINDS), "model": manifest.model.name,
             "source_sha256": manifest.model.source_sha256, "tokenizer_sha256": identity["tokenizer_sha256"],
             "graph_sha256": identity["graph_sha256"], "max_new_tokens": identity["max_new_tokens"],
             "command": export_command(), "made_by": MADE_BY[identity.get("backend", "genai")]}
-    return write_answers(Path(opts.output), seqs, np.concatenate([p["prompt_lens"] for p in parts]),
-                         np.concatenate([p["kinds"] for p in parts]), manifest.model.vocab_size, meta, progress,
+    return write_answers(Path(opts.output), seqs[:n], np.concatenate([p["prompt_lens"] for p in parts])[:n],
+                         np.concatenate([p["kinds"] for p in parts])[:n], manifest.model.vocab_size, meta, progress,
                          label="[data] ")

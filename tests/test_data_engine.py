@@ -82,6 +82,16 @@ def test_run_resumes_and_packs(tiny_engine, tmp_path):
     prompt, answer = answers.pair(5)
     assert prompt == tok.encode_chat(records[5]["messages"])
     assert answer == _runtime_answers(tiny_engine, [records[5]["messages"]], 8)[0]
+    # --pack-first: the grown folder packs its first answers again, at the same indices.
+    first = tmp_path / "first7.npz"
+    run(DataOptions(answers=1, output=first, pack_first=7, **base), progress=lambda s: None)
+    head = load_answers(first, manifest, 8)
+    assert len(head) == 7 and [head.pair(i) for i in range(7)] == [answers.pair(i) for i in range(7)]
+    assert head.kinds.tolist() == answers.kinds[:7].tolist()
+    with pytest.raises(ExportError, match="holds 12 answered prompts"):
+        run(DataOptions(answers=1, output=first, pack_first=13, **base), progress=lambda s: None)
+    with pytest.raises(ExportError, match="with --output"):
+        DataOptions(answers=1, pack_first=3, **base)
 
 
 def test_a_prompts_file_that_lost_or_changed_records_is_rebuilt_from_the_shards(tiny_engine, tmp_path):
