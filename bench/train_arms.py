@@ -150,10 +150,10 @@ def main() -> int:
         if own != streams:
             model.widen(streams)
         h = model.cfg.hidden_size
-        new = torch.zeros_like(model.fc.weight, dtype=torch.bool)
-        for j, s in enumerate(streams):
-            new[:, j * h:(j + 1) * h] = s not in own
         blocks = [slice(j * h, (j + 1) * h) for j, s in enumerate(streams) if s not in own]
+        new = torch.zeros_like(model.fc.weight, dtype=torch.bool)
+        for b in blocks:
+            new[:, b] = True
         return model, own, new, blocks
 
     def measure(model, tau: float) -> dict:

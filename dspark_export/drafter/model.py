@@ -183,9 +183,7 @@ class DSparkDraft(nn.Module):
                     if proj.bias is not None:
                         proj.bias.zero_()
             self.layers.append(layer)
-        self.cfg = cfg
-        for layer in self.layers:
-            layer.cfg = cfg
+        self._reconfigure(cfg)
 
     def widen(self, feature_layers: tuple[int, ...]) -> None:
         """Read the target streams ``feature_layers``, a superset of the ones read now: the
@@ -205,9 +203,13 @@ class DSparkDraft(nn.Module):
                 j = new.index(s)
                 fc.weight[:, j * h:(j + 1) * h] = w[:, i * h:(i + 1) * h]
         self.fc = fc
-        self.cfg = replace(self.cfg, feature_layers=new)
+        self._reconfigure(replace(self.cfg, feature_layers=new))
+
+    def _reconfigure(self, cfg: DraftConfig) -> None:
+        """The drafter and each of its layers now describe themselves by ``cfg``."""
+        self.cfg = cfg
         for layer in self.layers:
-            layer.cfg = self.cfg
+            layer.cfg = cfg
 
     def trainable_state(self) -> dict:
         """What a checkpoint stores: everything but the target's frozen tables."""
