@@ -17,7 +17,7 @@ from dspark_edge.drafters.dspark import sequential_step  # noqa: E402
 from dspark_export.drafter import calibrate  # noqa: E402
 from dspark_export.drafter.data import Sequences  # noqa: E402
 from dspark_export.drafter.model import DraftConfig, DSparkDraft  # noqa: E402
-from dspark_export.drafter.train import forward_batch, make_batch  # noqa: E402
+from dspark_export.drafter.train import anchor_weights, forward_batch, make_batch  # noqa: E402
 
 V, H = 120, 32
 CFG = DraftConfig(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, num_layers=2,
@@ -172,6 +172,26 @@ def test_short_blocks_mask_their_extra_slots():
     assert valid[:, 2:].sum() == 0 and valid[:, :2].all()
     m = batch["mask"][0, 0, :, 40:].reshape(4, CFG.slots, 4, CFG.slots)
     assert not m[0, 0, 0, 2:].any() and m[0, 0, 0, :2].all()
+
+
+def test_hard_anchors_favour_tokens_the_target_was_unsure_of():
+    data = _data(n=1, length=40)
+    top = np.full((40, 4), np.log(0.99), np.float32)
+    top[[9, 19, 29], 0] = np.log(0.05)  # the tokens at 10, 20, 30 were unlikely to the target
+    data.top_logp = top.astype(np.float16)
+    cand = np.arange(5, 39)
+    assert anchor_weights(data, 0, cand, 0.0) is None  # the default draws exactly as before
+    w = anchor_weights(data, 0, cand, 0.5)
+    assert w.shape == cand.shape and np.isclose(w.sum(), 1.0) and (w > 0).all()
+    hard = np.isin(cand, [10, 20, 30])  # uniform: 3/34 of the mass
+    assert w[hard].sum() > 0.45 and np.allclose(w[~hard], w[~hard][0])
+    with pytest.raises(ValueError, match="hard_share"):
+        anchor_weights(data, 0, cand, 1.0)
+    model, rng = _model(), np.random.default_rng(0)
+    picks = np.concatenate([make_batch(data, [0], 3, CFG.slots, _to_draft(model), rng, hard_share=0.5)["pos"][0, ::CFG.slots].numpy()
+                            for _ in range(200)])
+    share = np.isin(picks, [10, 20, 30]).mean()
+    assert share > 0.3  # uniform draws would give 3/34 ≈ 0.09
 
 
 def test_markov_step_equals_a_reference_loop():

@@ -45,6 +45,7 @@ class TrainOptions:
     alpha_conf: float = 1.0
     short_block: int = 3  # a share of blocks is trained at this length (the block-4 variant)
     short_share: float = 0.25
+    hard_share: float = 0.0  # share of anchor draws weighted toward tokens the target found unlikely (see anchor_weights)
     text_share: float = 0.4  # share of each step's sequences drawn from teacher-forced text (when any)
     checkpoint_every: int = 50
     validate_every: int = 250
@@ -114,8 +115,31 @@ def sampling_weights(train_ids: np.ndarray, answers: int, text_share: float) -> 
     return np.where(is_text, text_share / n_text, (1.0 - text_share) / (train_ids.size - n_text))
 
 
+def anchor_weights(data: Sequences, a: int, cand: np.ndarray, hard_share: float) -> np.ndarray | None:
+    """Sampling probabilities over the candidate anchors ``cand`` (positions in the sequence
+    starting at ``a``), or None for uniform. A runtime round starts right after the target
+    overruled a draft, so its anchor tends to be a token the target itself was less sure of than
+    the typical answer token. ``hard_share`` (in [0, 1)) of the probability mass goes to anchors
+    in proportion to 1 − p, p the target's top-1 probability at the position before the anchor
+    (the anchor's own probability whenever the anchor is the engine's greedy token); the rest is
+    uniform, so every candidate keeps a nonzero chance."""
+    if not 0.0 <= hard_share < 1.0:
+        raise ValueError(f"hard_share {hard_share} must be in [0, 1)")
+    if hard_share == 0.0 or cand.size == 0:
+        return None
+    p = np.exp(data.top_logp[a + cand - 1, 0].astype(np.float64))
+    hard = np.clip(1.0 - p, 0.0, 1.0)
+    total = hard.sum()
+    uniform = np.full(cand.size, 1.0 / cand.size)
+    if total <= 0.0:
+        return uniform
+    w = (1.0 - hard_share) * uniform + hard_share * hard / total
+    return w / w.sum()
+
+
 def make_batch(data: Sequences, seq_ids, anchors: int, slots: int, to_draft: np.ndarray, rng,
-               short_block: int = 0, short_share: float = 0.0, fixed_anchors: list | None = None) -> dict:
+               short_block: int = 0, short_share: float = 0.0, fixed_anchors: list | None = None,
+               hard_share: float = 0.0) -> dict:
     """Tensors for one step over sequences ``seq_ids`` (see the module docstring)."""
     vd = int(to_draft.max())
     spans = [data.span(int(i)) for i in seq_ids]
@@ -137,7 +161,8 @@ def make_batch(data: Sequences, seq_ids, anchors: int, slots: int, to_draft: np.
         if fixed_anchors is not None:
             chosen = np.asarray(fixed_anchors[r], dtype=np.int64)
         elif cand.size:
-            chosen = rng.choice(cand, size=min(anchors, cand.size), replace=False)
+            chosen = rng.choice(cand, size=min(anchors, cand.size), replace=False,
+                                p=anchor_weights(data, a, cand, hard_share))
         else:
             chosen = np.zeros(0, dtype=np.int64)
         for c, n in enumerate(chosen[:anchors]):
@@ -385,7 +410,8 @@ def train(model: DSparkDraft, data: Sequences, train_ids, val_ids, work: Path, o
         # exactly the batches the uninterrupted run takes, so it continues it bit for bit.
         rng = np.random.default_rng([opts.seed, step])
         ids = rng.choice(train_ids, size=opts.seqs_per_step, replace=False, p=weights)
-        batch = make_batch(data, ids, opts.anchors, slots, to_draft, rng, opts.short_block, opts.short_share)
+        batch = make_batch(data, ids, opts.anchors, slots, to_draft, rng, opts.short_block, opts.short_share,
+                           hard_share=opts.hard_share)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=opts.bf16):
             out = forward_batch(model, batch)
             loss, parts = loss_of(out, batch, opts, slots)
