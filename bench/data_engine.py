@@ -4,7 +4,7 @@ size, against the runtime answering them one at a time, and are the answers the 
 On the same training prompts, in rounds that alternate every mode: the runtime's plain greedy
 decoding (one prompt at a time, as `train-drafter` used to answer; left out with
 ``--no-one-at-a-time``) and the data engine's batched greedy pass on each ``--backends`` entry
-(``genai``: onnxruntime-genai over the engine's FP32 graph; ``torch``: the engine's source model
+(``genai``: onnxruntime-genai over the engine's FP32 graph, batches of at most 32; ``torch``: the engine's source model
 in PyTorch FP32 on the CPU) at each ``--batch`` size. Prints answer tokens per second of each,
 the ratio to the first mode in the same round, and how many answers are token-for-token the
 first mode's.
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dspark_edge  # noqa: E402
 from dspark_edge.manifest import read_manifest  # noqa: E402
 from dspark_edge.tokenizer import Tokenizer  # noqa: E402
-from dspark_export.data_engine import BatchedTarget, TorchTarget  # noqa: E402
+from dspark_export.data_engine import GENAI_MAX_BATCH, BatchedTarget, TorchTarget  # noqa: E402
 from dspark_export.drafter.prompts import training_prompts  # noqa: E402
 
 ONE = "one at a time"
@@ -55,7 +55,8 @@ def main() -> int:
     ids = [tok.encode_chat(m) for m in messages]
     targets = {"genai": BatchedTarget(args.engine, manifest, args.threads) if "genai" in backends else None,
                "torch": TorchTarget(args.engine, manifest, threads=args.threads) if "torch" in backends else None}
-    modes = ([] if args.no_one_at_a_time else [ONE]) + [f"{be} batch {b}" for be in backends for b in batches]
+    modes = ([] if args.no_one_at_a_time else [ONE]) + [f"{be} batch {b}" for be in backends for b in batches
+                                                        if be != "genai" or b <= GENAI_MAX_BATCH]
     rates: dict[str, list[float]] = {m: [] for m in modes}
     same: dict[str, int] = {}
     options = dspark_edge.BackendOptions(intra_op_threads=args.threads)

@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
 MAX_WORDS = 120
 MIN_WORDS = 3
+GENAI_MAX_BATCH = 32  # onnxruntime-genai's generator refuses more rows than this on the CPU
 MAX_FRUITLESS = 8  # batches of self-written messages in a row with none kept before giving up
 BACKENDS = ("genai", "torch")
 MADE_BY = {"genai": "python -m export data (onnxruntime-genai, batched greedy over the engine's FP32 graph)",
@@ -115,6 +116,9 @@ class DataOptions:
             raise ExportError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ExportError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.backend == "genai" and self.batch > GENAI_MAX_BATCH:
+            raise ExportError(f"--batch {self.batch}: onnxruntime-genai generates at most {GENAI_MAX_BATCH} rows at a "
+                              f"time; pass --batch {GENAI_MAX_BATCH} or less, or --backend torch for larger batches")
         if self.backend != "torch" and (self.device != "cpu" or self.source != "default"):
             raise ExportError("--device and --source choose the PyTorch backend's device and model; pass "
                               "--backend torch with them (the genai backend runs the engine's own graph on the CPU)")

@@ -161,7 +161,8 @@ def test_message_filter():
 
 @pytest.mark.parametrize("field,value,match", [
     ("answers", 0, "--answers must be at least 1"), ("batch", 0, "--batch"), ("copy_prompts", -1, "--copy-prompts"),
-    ("temperature", 0.0, "--temperature"), ("top_p", 1.5, "--top-p")])
+    ("temperature", 0.0, "--temperature"), ("top_p", 1.5, "--top-p"),
+    ("batch", 33, "at most 32 rows .* --backend torch")])
 def test_options_are_checked(tiny_engine, tmp_path, field, value, match):
     with pytest.raises(ExportError, match=match):
         DataOptions(target_engine=tiny_engine, work=tmp_path / "w", **{field: value})
