@@ -53,16 +53,19 @@ def main() -> int:
     tok = Tokenizer.from_engine(args.engine, manifest)
     messages = [r["messages"] for r in training_prompts(0)[:args.prompts]]
     ids = [tok.encode_chat(m) for m in messages]
-    targets = {"genai": BatchedTarget(args.engine, manifest, args.threads) if "genai" in backends else None,
-               "torch": TorchTarget(args.engine, manifest, threads=args.threads) if "torch" in backends else None}
     modes = ([] if args.no_one_at_a_time else [ONE]) + [f"{be} batch {b}" for be in backends for b in batches
                                                         if be != "genai" or b <= GENAI_MAX_BATCH]
     rates: dict[str, list[float]] = {m: [] for m in modes}
     same: dict[str, int] = {}
     options = dspark_edge.BackendOptions(intra_op_threads=args.threads)
-    pipe = None if args.no_one_at_a_time else dspark_edge.load(str(args.engine), precision="fp32", drafter="none",
-                                                               options=options)
+    pipe, targets = None, {}
     try:
+        if not args.no_one_at_a_time:
+            pipe = dspark_edge.load(str(args.engine), precision="fp32", drafter="none", options=options)
+        if "genai" in backends:
+            targets["genai"] = BatchedTarget(args.engine, manifest, args.threads)
+        if "torch" in backends:
+            targets["torch"] = TorchTarget(args.engine, manifest, threads=args.threads)
         for rnd in range(args.rounds):
             first = None
             for mode in modes:
@@ -84,8 +87,7 @@ def main() -> int:
         if pipe is not None:
             pipe.close()
         for t in targets.values():
-            if t is not None:
-                t.close()
+            t.close()
     base = rates[modes[0]]
     report = {"engine": str(args.engine), "prompts": len(ids), "max_new_tokens": args.max_new_tokens,
               "rounds": args.rounds, "threads": args.threads, "reference": modes[0],
