@@ -23,13 +23,23 @@ that case). Without the slots graph (another graph, onnx not installed, or ``ver
 off: it holds a second copy of the weights in memory), a slot drafts only while it is the only
 active one (``draft_room``); with others active, every slot takes batched width-1 steps.
 
+Self-drafting (``drafters.self_draft``): the copy (the engine's INT8 graph) has the target's
+K/V layout, so it drafts over the slot's own row (``copy_forward``), one copy shared by every
+slot (``attach_copy``). It drafts only while its slot is the only active one (``copy_room``):
+with several requests decoding, a copy step per request and the wider shared pass cost more
+than the drafts save on the CPUs measured (docs/performance.md), and the slot's n-gram drafts,
+if any, are offered instead. A target pass waits for a slot whose copy is drafting.
+
 Guarantees: a slot's rows in a batched pass compute exactly what a pass of that slot alone
 computes (each row reads and writes only its own K/V, with the same kernels; the tests compare
-the outputs bit for bit), so a greedy answer is the one the request gets served alone. Rows of slots that are idle, or whose
-pass this round is a separate one, are run as one-token dummies writing at their first
-uncommitted position, before the separate passes; that position is never committed without
-being written again. A gathering slot waits at most ``gather_s`` for the others: a slot busy
-elsewhere (drafting, or a caller that stopped iterating its stream) never stalls the rest.
+the outputs bit for bit), so a greedy answer is the one the request gets served alone. Rows of
+slots that are idle, or whose pass this round is a separate one, are run as one-token dummies
+writing at the slot's *frontier*: past every position its latest passes wrote (K/V the slot may
+still commit, or that its copy's next step reads), and at or past its committed length. Nothing
+at or past a frontier is read before the slot's own next pass writes it, so a dummy never
+changes an answer, nor the copy's drafts. A gathering slot waits at most ``gather_s`` for the
+others (and at most ``draft_wait_s`` for slots whose copy is drafting): a slot busy elsewhere (a
+caller that stopped iterating its stream) never stalls the rest.
 """
 
 from __future__ import annotations
@@ -113,7 +123,7 @@ class BatchRunner:
 
     def __init__(self, model, slots: int, gather_s: float = 0.02, verify_slots: bool = True,
                  curve: dict[int, float] | None = None, pass_costs: dict[int, float] | None = None,
-                 measure: bool = True) -> None:
+                 measure: bool = True, draft_wait_s: float = 0.5) -> None:
         if model.backend != "onnxruntime" or not hasattr(model.session, "new_rows"):
             raise ConfigError("batching several requests needs the onnxruntime backend and the fused graph "
                               "(its shared K/V buffer); serve with --parallel 1 on this engine")
@@ -121,7 +131,7 @@ class BatchRunner:
             raise ConfigError(f"--parallel must be at least 1, got {slots}")
         self.model, self.session, self.slots = model, model.session, slots
         self.capacity = self.session.capacity
-        self.gather_s = gather_s
+        self.gather_s, self.draft_wait_s = gather_s, draft_wait_s
         try:
             self._kv = self.session.new_rows(slots)
         except BackendError as exc:
@@ -135,13 +145,21 @@ class BatchRunner:
             self.costs_from = "profile"
         elif self.slots_pass is not None and measure:
             self.measure_passes(max(model.widths))
+        self.copy = None  # the self drafter's copy (a DecoderModel) running over the same rows
+        self.rows_ms: dict[int, float] = {}  # a width-1 target pass over m rows (measure_rows)
+        if self.slots_pass is not None and measure:
+            self.measure_rows()
         self.choices: dict[int, dict] = {}  # each offering slot's last joint choice, for its round's record
         self._cond = threading.Condition()
         self._active: set[int] = set()
         self._pending: dict[int, np.ndarray] = {}
+        self._copying: set[int] = set()  # slots that ran copy steps since their latest target pass
         self._results: dict[int, ForwardOutput | BaseException] = {}
         self._offers: dict[int, tuple[np.ndarray, int]] = {}  # slot -> (confidences, width alone)
-        self.passes = {"batched": 0, "rows": 0, "single": 0, "slots": 0}  # counts, for tests and metrics
+        # Where a slot's dummy row may write: past the positions its passes since its latest
+        # target pass was submitted have written (see the module docstring).
+        self._frontier: dict[int, int] = {}
+        self.passes = {"batched": 0, "rows": 0, "single": 0, "slots": 0, "copy": 0}  # counts, for tests and metrics
 
     def measure_passes(self, widest: int, repeats: int = 3) -> dict[int, float]:
         """The pass cost table's basis on this device: T(n) at a few n between ``slots`` (every
@@ -169,6 +187,25 @@ class BatchRunner:
                  ", ".join(f"{n}: {ms:.1f}" for n, ms in sorted(table.items())))
         return table
 
+    def measure_rows(self, repeats: int = 3) -> dict[int, float]:
+        """``rows_ms``: the width-1 pass over m rows, m = 1 … slots, what a round of m requests
+        costs when none of their drafts is verified (the joint choice's yardstick against the
+        slots pass; the batched passes run since then update it, a moving average). Runs on
+        rows whose caches are empty, at position 0 (nothing is committed there yet): called
+        when the runner opens. Well under a second."""
+        ids = np.zeros((self.slots, 1), dtype=np.int64)
+        mask = np.ones((self.slots, 1), dtype=np.int64)
+        for m in range(1, self.slots + 1):
+            times = []
+            for _ in range(repeats + 1):
+                t = time.perf_counter()
+                self.session.run_rows(self._kv, 0, ids[:m], mask[:m])
+                times.append((time.perf_counter() - t) * 1e3)
+            self.rows_ms[m] = float(np.median(times[1:]))
+        log.info("width-1 pass over m rows on this device (ms by m): %s",
+                 ", ".join(f"{m}: {ms:.1f}" for m, ms in sorted(self.rows_ms.items())))
+        return self.rows_ms
+
     def _open_slots(self):
         """The slots graph's session (None, with the reason logged, where it cannot be had)."""
         from .backends.slots import SlotsDecoder
@@ -192,8 +229,17 @@ class BatchRunner:
         with self._cond:
             self._active.discard(slot)
             self._pending.pop(slot, None)
+            self._frontier.pop(slot, None)
+            self._copying.discard(slot)
             self.caches[slot].reset()
             self._cond.notify_all()
+
+    def _free(self, slot: int) -> int:
+        """The position a dummy row of ``slot`` writes at (its frontier)."""
+        return max(self.caches[slot].length, self._frontier.get(slot, 0))
+
+    def _wrote(self, slot: int, start: int, width: int) -> None:
+        self._frontier[slot] = max(self._frontier.get(slot, 0), start + width)
 
     def draft_room(self, slot: int) -> int | None:
         """How many drafts the slot may verify this round: None (no limit) while it is the only
@@ -232,20 +278,93 @@ class BatchRunner:
             raise BackendError(f"cannot run {width} new tokens after {cache.length} of {cache.capacity} "
                                "KV positions: the context is full (raise max_context when loading)")
         slot = cache.slot
-        deadline = time.monotonic() + self.gather_s
+        now = time.monotonic()
+        deadline, latest = now + self.gather_s, now + self.gather_s + self.draft_wait_s
         with self._cond:
             if slot not in self._active:
                 raise BackendError(f"slot {slot} runs a pass without having joined the batch")
+            # The slot's copy (if it drafted) is done: its K/V past the committed length are no
+            # longer read, the pass writes its own over them first.
+            self._frontier[slot] = cache.length
+            self._copying.discard(slot)
             self._pending[slot] = np.asarray(ids, dtype=np.int64)
             while slot not in self._results:  # a pass runs holding the lock: none is under way here
-                if self._pending.keys() >= self._active or time.monotonic() >= deadline:
-                    self._execute()
-                else:
-                    self._cond.wait(timeout=max(0.0005, deadline - time.monotonic()))
+                if not self._run_ready(deadline, latest):
+                    wake = latest if self._drafting() and time.monotonic() >= deadline else deadline
+                    self._cond.wait(timeout=max(0.0005, wake - time.monotonic()))
             out = self._results.pop(slot)
         if isinstance(out, BaseException):
             raise out
         return out
+
+    def _drafting(self) -> bool:
+        """Whether an active slot's copy is drafting (it asked for a copy step since its latest
+        target pass was submitted): its target pass follows shortly."""
+        return bool(self._copying & self._active)
+
+    def _run_ready(self, deadline: float, latest: float) -> bool:
+        """Run the pending target passes if they are due (holding the lock): when every active
+        slot has one pending, or the window is over and no slot's copy is drafting, or
+        ``latest`` has passed. Returns whether they ran."""
+        now = time.monotonic()
+        if self._pending.keys() >= self._active or (now >= deadline and not self._drafting()) or now >= latest:
+            self._execute()
+            return True
+        return False
+
+    # -- the self drafter's copy --------------------------------------------------------------
+    def attach_copy(self, model):
+        """Share ``model`` (a ``DecoderModel`` of the engine at another precision, the self
+        drafter's copy) as every slot's copy: the first one attached is kept and returned to
+        later callers. Raises ConfigError when its graph cannot run over the runner's K/V rows
+        (another backend, K/V type or layout)."""
+        with self._cond:
+            if self.copy is not None:
+                if self.copy.precision != model.precision:
+                    raise ConfigError(f"the slots already draft with the {self.copy.precision} copy, not "
+                                      f"{model.precision}")
+                return self.copy
+            session = getattr(model, "session", None)
+            ours = (self.session.kv_dtype, tuple(self._kv.row_shape), len(self.session.kv_names))
+            theirs = None
+            if getattr(model, "backend", None) == "onnxruntime" and hasattr(session, "run_rows") \
+                    and session.layout is None and session.device == "cpu":
+                theirs = (session.kv_dtype, tuple(session._buffer_shape[1:]), len(session.kv_names))
+            if theirs != ours:
+                raise ConfigError(f"the {model.precision} graph cannot draft over the batched K/V rows of the "
+                                  f"{self.model.precision} target (another K/V type, layout or device)")
+            self.copy = model
+            log.info("the slots' self drafters share one %s copy", model.precision)
+            return model
+
+    def copy_room(self, slot: int) -> int | None:
+        """How many drafts the slot's copy may draw this round: None (the drafter's own choice)
+        while the slot is the only active one, else 0. Measured on a 2-core CPU with the
+        embedded default (docs/performance.md, "Self-drafting in a batched server"): every slot
+        drafting with the copy, its steps batched as rows and the requests verified together,
+        gave 0.71–0.96× the per-request speed of plain batched steps at 2 and 4 requests."""
+        with self._cond:
+            return None if self._active <= {slot} else 0
+
+    def copy_forward(self, slot: int, start: int, ids: np.ndarray) -> np.ndarray:
+        """The copy's logits [w, V] for ``ids`` [w] run at positions ``start`` … of the slot's
+        row (after its committed K/V and the copy's own earlier drafts). Commits nothing; no
+        dummy row of a later pass writes below ``start + w`` until the slot's next target pass
+        is submitted."""
+        width = int(ids.shape[0])
+        if self.copy is None:
+            raise BackendError("no copy is attached to this batch (attach_copy)")
+        if width < 1 or start + width > self.capacity:
+            raise BackendError(f"cannot run {width} new tokens after {start} of {self.capacity} KV positions")
+        with self._cond:  # passes run holding the lock: none is under way while the copy runs
+            if slot not in self._active:
+                raise BackendError(f"slot {slot} runs a copy step without having joined the batch")
+            self._wrote(slot, start, width)
+            self._copying.add(slot)
+            logits, _ = self.copy.session.run_rows(self._kv, slot, np.asarray(ids, dtype=np.int64).reshape(1, -1),
+                                                   np.ones((1, start + width), dtype=np.int64))
+            self.passes["copy"] += 1
+        return logits[0]
 
     def _execute(self) -> None:
         """Run every pending pass (called holding the lock; other slots wait meanwhile)."""
@@ -285,6 +404,13 @@ class BatchRunner:
         dummies = self.slots_pass.slots - len(jobs)
         base = fixed + dummies
         kept = choose_multi([offering[s][0] for s in order], lambda n: self.costs(base + n))
+        rows = max(jobs) + 1
+        if any(kept) and rows in self.rows_ms and all(jobs[s].shape[0] == 1 for s in jobs if s not in offering):
+            # Without drafts the round is one width-1 pass over the rows, cheaper than the slots
+            # graph's pass: the drafts kept must beat that, not the slots pass over the anchors.
+            expected = len(jobs) + sum(float(survival(offering[s][0])[:k].sum()) for s, k in zip(order, kept))
+            if expected / self.costs(base + len(order) + sum(kept)) <= len(jobs) / self.rows_ms[rows]:
+                kept = [0] * len(order)
         total = base + len(order) + sum(kept)
         for s, k in zip(order, kept):
             offered = len(offering[s][0])
@@ -309,6 +435,8 @@ class BatchRunner:
                 self._results[s] = exc
             return
         self.costs.observe(n, (time.perf_counter() - t) * 1e3)
+        for s, start, ids in spec:
+            self._wrote(s, start, int(ids.shape[0]))
         self.passes["slots"] += 1
         self.passes["rows"] += len(order)
         for s, (logits, hidden) in zip(order, outs):
@@ -323,14 +451,15 @@ class BatchRunner:
             logits, hidden = self._run(slot, ids.reshape(1, -1), np.ones((1, length + ids.shape[0]), dtype=np.int64))
         except BackendError as exc:
             return exc
+        self._wrote(slot, length, int(ids.shape[0]))
         self.passes["single"] += 1
         return ForwardOutput(logits[0], None if hidden is None else hidden[0])
 
     def _batched(self, steps: dict[int, np.ndarray]) -> None:
         """One pass over rows 0 … the last stepping slot; the rows of other slots are dummies
-        writing at their first uncommitted position."""
+        writing at their frontiers."""
         rows = max(steps) + 1
-        lengths = [c.length for c in self.caches[:rows]]
+        lengths = [self.caches[r].length if r in steps else self._free(r) for r in range(rows)]
         if any(n >= self.capacity for n in lengths):  # a full row could not take its dummy
             for s, ids in steps.items():
                 self._results[s] = self._single(s, ids)
@@ -341,12 +470,17 @@ class BatchRunner:
             if r in steps:
                 ids[r, 0] = steps[r][0]
             mask[r, :lengths[r] + 1] = 1
+        t = time.perf_counter()
         try:
             logits, hidden = self._run(0, ids, mask)
         except BackendError as exc:
             for s in steps:
                 self._results[s] = exc
             return
+        if rows in self.rows_ms:  # the table follows the contexts' lengths, as ``PassCosts`` does
+            self.rows_ms[rows] += 0.25 * ((time.perf_counter() - t) * 1e3 - self.rows_ms[rows])
+        for s in steps:
+            self._wrote(s, lengths[s], 1)
         self.passes["batched"] += 1
         self.passes["rows"] += len(steps)
         for s in steps:

@@ -81,9 +81,9 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     if chat_template is not None:
         tokenizer.use_template(_read_template(Path(chat_template)), str(chat_template))
 
-    def make_drafter():
+    def make_drafter(shared: dict | None = None):
         return create_drafter(drafter, manifest, options=drafter_options, verify_hashes=verify_hashes,
-                              engine_dir=engine_dir)
+                              engine_dir=engine_dir, shared=shared)
 
     pipe = Pipeline(manifest, engine_dir, target, tokenizer, make_drafter())
     if isinstance(drafter, (str, Path)):
@@ -283,8 +283,10 @@ class Pipeline:
         telemetry and report to its observers. ``verify_slots``: drafts of several requests are
         verified in one pass (a second session of the target's graph, rewritten for it: a
         second copy of the weights in memory); off, a slot drafts only while no other slot is
-        generating. Self-drafting (which runs over the target's own KV cache) cannot be
-        batched: a ConfigError names the fix."""
+        generating. Self-drafting batches too: every slot's drafter drafts with one shared copy
+        over the runner's K/V rows, the copy steps of the slots drafting at the same moment in
+        one batch of rows. A drafter that cannot draft for a slot is refused with a ConfigError
+        naming the fix."""
         from .batching import BatchRunner, SlotModel
 
         self._check_open()
@@ -296,8 +298,9 @@ class Pipeline:
         runner = BatchRunner(self.target, n, gather_s, verify_slots=verify_slots, curve=curve,
                              pass_costs=self._profiled_pass_costs(n) if verify_slots else None)
         slots = []
+        shared: dict = {}  # models the slots' drafters share (the self drafter's copy)
         for i in range(n):
-            drafter = self._drafter_factory() if self.drafter is not None else None
+            drafter = self._drafter_factory(shared) if self.drafter is not None else None
             model = SlotModel(runner, i)
             if drafter is not None:
                 try:  # a drafter that drafts over the target's own KV cache refuses a slot's

@@ -83,9 +83,6 @@ def test_a_stalled_stream_does_not_block_the_other_slots(tiny_engine):
 def test_drafters_that_cannot_be_batched_are_refused(tiny_engine):
     from dspark_edge.drafters.ngram import NgramDrafter
 
-    with dspark_edge.load(tiny_engine, "fp32", drafter="self:int8") as pipe:
-        with pytest.raises(ConfigError, match="--parallel 1"):
-            pipe.batch_slots(2)
     with dspark_edge.load(tiny_engine, "fp32", drafter=NgramDrafter()) as pipe:
         with pytest.raises(ConfigError, match="drafter spec"):
             pipe.batch_slots(2)
@@ -148,7 +145,8 @@ def test_the_slot_rows_compute_what_a_pass_alone_computes(tiny_engine):
 
 class _FlatCosts:
     """A pass cost table for tests: every token after the first costs ``per_token`` of a pass,
-    so the joint choice does not depend on this machine's timings."""
+    so the joint choice does not depend on this machine's timings (``_flat`` also sets the
+    width-1 pass over the rows to the slots pass over the anchors)."""
 
     def __init__(self, per_token: float) -> None:
         self.per_token = per_token
@@ -158,6 +156,11 @@ class _FlatCosts:
 
     def observe(self, n: int, ms: float) -> None:
         pass
+
+
+def _flat(runner, per_token: float) -> None:
+    runner.costs = _FlatCosts(per_token)
+    runner.rows_ms = {m: runner.costs(runner.slots_pass.slots) for m in range(1, runner.slots + 1)}
 
 
 def _prefilled_runner(engine, slots, lengths, rng):
@@ -219,7 +222,7 @@ def test_the_joint_choice_admits_drafts_by_survival(tiny_engine):
     of each request's drafts, more of the likely ones, none of drafts not worth their cost."""
     rng = np.random.default_rng(2)
     m, model, runner, prompts = _prefilled_runner(tiny_engine, 3, (5, 8, 6), rng)
-    runner.costs = _FlatCosts(0.1)
+    _flat(runner, 0.1)
     ids = [rng.integers(0, m.model.vocab_size, 5).astype(np.int64) for _ in range(3)]
     conf = [np.array([0.95, 0.9, 0.9, 0.8]), np.array([0.5, 0.2, 0.1, 0.1]), np.array([0.02, 0.9, 0.9, 0.9])]
     outs = _concurrently(lambda s: runner.offer(runner.caches[s], ids[s], conf[s], 1), [(s,) for s in range(3)])
@@ -228,7 +231,13 @@ def test_the_joint_choice_admits_drafts_by_survival(tiny_engine):
     for s in range(3):
         assert runner.choices[s]["kept"] == kept[s] and runner.choices[s]["requests"] == 3
         assert np.array_equal(outs[s].logits, _alone(model, prompts[s], ids[s][:1 + kept[s]])[0]), s
-    runner.costs = _FlatCosts(10.0)  # drafts cost more than they can return: none admitted
+    _flat(runner, 10.0)  # drafts cost more than they can return: none admitted
+    outs = _concurrently(lambda s: runner.offer(runner.caches[s], ids[s], conf[s], 3), [(s,) for s in range(3)])
+    assert all(outs[s].logits.shape[0] == 1 for s in range(3))
+    # Without drafts the round would be one width-1 pass over the rows: at half the slots
+    # pass's cost, the drafts above (worth 1.3× that pass's tokens at 1.7× its cost) are not kept.
+    _flat(runner, 0.1)
+    runner.rows_ms = {m: 0.5 for m in runner.rows_ms}
     outs = _concurrently(lambda s: runner.offer(runner.caches[s], ids[s], conf[s], 3), [(s,) for s in range(3)])
     assert all(outs[s].logits.shape[0] == 1 for s in range(3))
     # Alone: the slot's own choice (``alone`` tokens), whatever the confidences say.
@@ -254,7 +263,7 @@ def test_batched_drafts_of_several_requests_keep_each_answer(tiny_engine, tiny_w
         # Drafts nearly free in the pass: the joint choice keeps every draft whose survival is above
         # a few per cent, so the shared rounds verify drafts however few of them a loaded machine's
         # thread timing lets share a pass (at 0.05 a token, CI once saw its shared rounds keep none).
-        runner.costs = _FlatCosts(0.002)
+        _flat(runner, 0.002)
         for s in slots:
             s.scheduler = ForcedWidthScheduler(s.scheduler, lambda c: min(4, len(c) + 1), "test: drafts")
         rounds: list = []
@@ -389,3 +398,66 @@ def test_a_server_reads_its_pass_cost_table_from_the_device_profile(tiny_engine,
     with dspark_edge.load(tiny_engine, "fp32", drafter="ngram") as pipe:
         runner = pipe.batch_slots(3, gather_s=0.5)[0]._slot[0]
         assert runner.costs_from == "measured" and min(runner.costs.curve) == 3
+
+
+@pytest.mark.parametrize("drafter", ["self:int8", "ngram+self"])
+def test_batched_self_drafting_keeps_each_answer_and_shares_one_copy(tiny_engine, drafter):
+    """The slots' self drafters share one INT8 copy, which drafts over the slot's own row of
+    the runner's K/V while its request is the only one decoding and not while others are:
+    every greedy answer is the one served alone, and coupled sampling's is its seed's."""
+    from forced_width import ForcedWidthScheduler
+
+    prompts = ["one two three four one two three four one two", "a b c d e f a b c d e f a b", PROMPTS[0]]
+
+    def forced(pipe):
+        pipe.scheduler = ForcedWidthScheduler(pipe.scheduler, lambda c: min(3, len(c) + 1), "test: drafts")
+
+    with dspark_edge.load(tiny_engine, "fp32", drafter=drafter) as pipe:
+        forced(pipe)
+        want = [pipe.generate(p, max_new_tokens=32, ignore_eos=True).token_ids for p in prompts]
+        slots = pipe.batch_slots(3, gather_s=0.5)
+        runner = slots[0]._slot[0]
+        assert len({id(s.drafter.model) for s in slots}) == 1 and runner.copy is slots[0].drafter.model
+        for s in slots:
+            forced(s)
+        # Alone in the batch: the copy drafts over the slot's row, as it drafts alone.
+        alone = slots[1].generate(prompts[2], max_new_tokens=32, ignore_eos=True)
+        assert alone.token_ids == want[2] and alone.stats.draft_n > 0 and runner.passes["copy"] > 0
+        rounds: list = []
+        slots[0].observers.append(type("Obs", (), {"on_round": lambda self, info: rounds.append(info),
+                                                  "__getattr__": lambda self, n: (lambda *a, **k: None)})())
+        got = _run_all(slots, [(i, p, {"max_new_tokens": 32, "ignore_eos": True}) for i, p in enumerate(prompts)])
+        assert got == want
+        barred = [r for r in rounds if r.drafting and "other requests are decoding" in r.drafting.get("why", "")]
+        assert barred, "with other requests decoding, a slot's copy must not draft"
+        kw = {"max_new_tokens": 24, "temperature": 0.9, "sampling": "coupled", "ignore_eos": True}
+        want = [pipe.generate(p, seed=i, **kw).token_ids for i, p in enumerate(prompts)]
+        assert _run_all(slots, [(i, p, {**kw, "seed": i}) for i, p in enumerate(prompts)]) == want
+
+
+def test_a_dummy_row_writes_past_what_its_slot_may_still_commit(tiny_engine):
+    """After a slot's pass of width w at committed length L, the positions L … L + w - 1 hold
+    K/V the slot may still commit; until its next pass is submitted, a dummy row of another
+    batched pass writes at L + w or later, never over them."""
+    from dspark_edge.batching import BatchRunner
+    from dspark_edge.decoder import DecoderModel
+    from dspark_edge.manifest import read_manifest
+
+    model = DecoderModel(read_manifest(tiny_engine), tiny_engine, "fp32")
+    runner = BatchRunner(model, 3, gather_s=0.05, verify_slots=False)
+    for s in range(3):
+        runner.join(s)
+    a = runner.caches[0]
+    runner.forward(a, np.array([3, 4, 5], dtype=np.int64))
+    a.commit(3)
+    runner.forward(a, np.array([6, 7, 8], dtype=np.int64))  # 3 positions after 3: not committed yet
+    before = [arr[0, :, :6].copy() for arr in runner._kv.arrays]
+    threads = [threading.Thread(target=runner.forward, args=(runner.caches[s], np.array([9], dtype=np.int64)))
+               for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert runner.passes["batched"] == 1  # slots 1 and 2 in one pass over rows 0-2, row 0 a dummy
+    for x, arr in zip(before, runner._kv.arrays):
+        np.testing.assert_array_equal(x, arr[0, :, :6])

@@ -305,8 +305,6 @@ def test_the_serve_command_answers_and_stops_on_sigterm(tiny_engine, extra):
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode in (0, 143) and "[serve] http://127.0.0.1" in err
-        if "auto" in extra and "--parallel" in extra:  # auto's ngram+self cannot be batched: ngram is taken
-            assert "--drafter auto: 'ngram'" in err
     finally:
         if proc.poll() is None:
             proc.kill()

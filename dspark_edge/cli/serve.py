@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError
-from .options import backend_options, engine_args, load_engine
+from .options import engine_args, load_engine
 
 
 def register(sub) -> None:
@@ -36,8 +36,8 @@ def register(sub) -> None:
     s.add_argument("--parallel", type=int, default=1,
                    help="requests decoded at once, their target passes batched (continuous batching: each "
                         "round's passes of all requests run as one, drafts included; see --shared-verify). "
-                        "Greedy answers stay the model's own. Self-drafting cannot be batched: with N > 1, "
-                        "--drafter auto picks among the others (default: %(default)s)")
+                        "Greedy answers stay the model's own. A self drafter drafts while its request is the "
+                        "only one decoding (default: %(default)s)")
     s.add_argument("--shared-verify", action=argparse.BooleanOptionalAction, default=True,
                    help="with --parallel N > 1 and a drafter: verify several requests' drafts in one pass, "
                         "choosing each request's drafts by survival under the measured pass costs; it opens a "
@@ -46,22 +46,6 @@ def register(sub) -> None:
                         "only one decoding (default: on)")
     s.add_argument("--max-tokens", type=int, default=4096,
                    help="the largest max_tokens a request may ask for (default: %(default)s)")
-
-
-def batchable_auto(args) -> str:
-    """What --drafter auto stands for when requests are batched: auto's choice, without
-    self-drafting (it drafts over the target's own KV cache, which a batch slot cannot share)."""
-    from ..manifest import read_manifest
-    from ..pipeline import auto_drafter
-
-    manifest = read_manifest(Path(args.engine))
-    precision = args.precision or (manifest.precisions("target", args.backend) or [None])[0]
-    choice = auto_drafter(manifest, precision, args.backend, backend_options(args).providers)
-    if "self" in choice:
-        print(f"[serve] --drafter auto: 'ngram' ('{choice}' drafts over the target's own KV cache and cannot be "
-              "batched)", file=sys.stderr, flush=True)
-        return "ngram"
-    return choice
 
 
 def cmd_serve(args) -> int:
@@ -79,8 +63,6 @@ def cmd_serve(args) -> int:
                       default_max_tokens=min(256, args.max_tokens), api_key=api_key, parallel=args.parallel,
                       shared_verify=args.shared_verify)
     drafter = None if args.drafter == "none" else args.drafter
-    if cfg.parallel > 1 and drafter == "auto":
-        drafter = batchable_auto(args)
     # Verifying several requests' drafts opens a second session of the target graph: both on
     # the process-wide thread pool, or each session's idle threads spin against the other's.
     pipe = load_engine(args, drafter, shared_threads=cfg.parallel > 1 and cfg.shared_verify and drafter is not None)

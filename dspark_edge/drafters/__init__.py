@@ -20,11 +20,13 @@ __all__ = ["AcceptanceTracker", "BaseDrafter", "Draft", "DraftRequest", "Drafter
            "create", "parse_spec"]
 
 
-def create(spec, target_manifest, options=None, verify_hashes: bool = True, engine_dir=None):
+def create(spec, target_manifest, options=None, verify_hashes: bool = True, engine_dir=None,
+           shared: dict | None = None):
     """The drafter a name stands for (``spec.parse``; the grammar is ``spec.KINDS``), or a
     Drafter object used as is; None for "none". "ngram" takes the engine folder's corpus table
     (``ngram_table.npz``) when it has one; "auto" must be resolved first (it depends on the
-    target's precision and device: ``load`` does it)."""
+    target's precision and device: ``load`` does it). ``shared``: models the drafters made with
+    the same dict share (the self drafter's copy; ``Pipeline.batch_slots``)."""
     from ..errors import ConfigError
 
     if spec is not None and hasattr(spec, "propose"):
@@ -49,7 +51,7 @@ def create(spec, target_manifest, options=None, verify_hashes: bool = True, engi
 
         ngram = create("ngram", target_manifest, engine_dir=engine_dir) if s.kind == "ngram+self" else None
         return SelfDrafter(engine_dir, target_manifest, s.option or "int8", options=options,
-                           verify_hashes=verify_hashes, ngram=ngram)
+                           verify_hashes=verify_hashes, ngram=ngram, shared=shared)
     if s.kind in ("dspark", "ngram+dspark"):
         from .dspark import DSparkDrafter
 

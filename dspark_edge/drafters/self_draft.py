@@ -7,7 +7,9 @@ target's cache (a second binding of the same buffers). Each round it runs the pe
 and then its own drafts one at a time at the positions after the committed ones, attending to
 the target's exact K/V of the context; the target's verify pass then writes its own K/V over
 those positions before it reads them, so the copy's values never reach the output. No file is
-exported for it and no second cache is held.
+exported for it and no second cache is held. In a batched server (``batching``) the slots'
+drafters share one copy, which drafts over the slot's row of the batch's K/V while the slot's
+request is the only one decoding; with others decoding the slot offers only its n-gram drafts.
 
 A drafted token costs a step of the copy (on a 2-core AVX2 CPU an INT8 step is about 55 % of an
 FP32 step), so drafting stops early where the drafts are unlikely to be accepted: before each
@@ -100,15 +102,24 @@ class SelfDrafter(BaseDrafter):
 
     def __init__(self, engine_dir: str | Path, target_manifest: Manifest, precision: str = "int8",
                  options: BackendOptions | None = None, verify_hashes: bool = True, max_tokens: int = 8,
-                 ngram=None) -> None:
+                 ngram=None, shared: dict | None = None) -> None:
+        """``shared``: loaded copies by (engine folder, precision), for drafters that draft for
+        the slots of one batch (``Pipeline.batch_slots``): the first one loads the copy, the
+        others use it (its session is read-only; each drafter keeps its own state)."""
         engine_dir = Path(engine_dir)
         present = target_manifest.precisions("target", "onnxruntime")
         if precision not in present:
             raise ConfigError(f"self-drafting with {precision} needs the engine's {precision} target graph; "
                               f"{engine_dir} has {present}: export it with `python -m export target --precisions "
                               f"{','.join(sorted(set(present) | {precision}))}` or pick one of {present}")
-        verify_role_files(target_manifest, engine_dir, "target", precision, check_hashes=verify_hashes)
-        self.model = DecoderModel(target_manifest, engine_dir, precision, options=options)
+        key = (str(engine_dir.resolve()), precision)
+        if shared is not None and key in shared:
+            self.model = shared[key]
+        else:
+            verify_role_files(target_manifest, engine_dir, "target", precision, check_hashes=verify_hashes)
+            self.model = DecoderModel(target_manifest, engine_dir, precision, options=options)
+            if shared is not None:
+                shared[key] = self.model
         if 1 not in self.model.widths:
             raise EngineError(f"{engine_dir}: the {precision} graph lists no width-1 variant")
         self.precision = precision
@@ -117,6 +128,8 @@ class SelfDrafter(BaseDrafter):
         self.name = f"self:{precision}" if ngram is None else f"{ngram.name}+self:{precision}"
         self._target_cache = None
         self._view = None
+        self._run = self._run_alone  # the copy's pass: (view, ids) → logits [w, V]
+        self._room = lambda: None  # the most drafts the copy may draw this round (None: no limit)
         self._widths: tuple[int, ...] = ()
         self.step_ms = 0.0  # moving average of one drafting step
         self._source = "self"  # of the latest proposal, for its feedback: "self" or "ngram"
@@ -144,11 +157,24 @@ class SelfDrafter(BaseDrafter):
             raise ConfigError(f"self-drafting with {self.precision} drafts with the target's own {self.precision} "
                               "graph: each draft would cost a full target step and no round could gain; load the "
                               "target in fp32 or pick another drafter ('ngram')")
-        view = getattr(self.model.session, "view_cache", None)
-        if view is None or target.backend != "onnxruntime":
-            raise ConfigError("self-drafting shares the target's KV cache and needs the onnxruntime backend; "
-                              "use the n-gram drafter with the TensorRT backend")
-        self._view = view(cache)
+        runner = getattr(target, "runner", None)
+        if runner is not None:
+            # A slot of a batched server: the copy (one for every slot) runs over the slot's row
+            # of the runner's K/V, between the batch's passes (``BatchRunner.copy_forward``).
+            from ..batching import SlotCache
+
+            self.model = runner.attach_copy(self.model)
+            self._view = SlotCache(cache.capacity, cache.slot)
+            self._run = lambda view, ids: runner.copy_forward(view.slot, view.length, self._listed(ids))
+            self._room = lambda: runner.copy_room(cache.slot)
+        else:
+            view = getattr(self.model.session, "view_cache", None)
+            if view is None or target.backend != "onnxruntime":
+                raise ConfigError("self-drafting shares the target's KV cache and needs the onnxruntime backend; "
+                                  "use the n-gram drafter with the TensorRT backend")
+            self._view = view(cache)
+            self._run = self._run_alone
+            self._room = lambda: None
         self._target_cache = cache
         self._widths = target.widths
         if target is not self._target:
@@ -157,6 +183,15 @@ class SelfDrafter(BaseDrafter):
             from ..profile import cost_curve
 
             self.copy_costs = CostModel(cost_curve(self.model, self.engine_dir)[0], 0.0)
+
+    def _run_alone(self, view, ids: np.ndarray) -> np.ndarray:
+        return self.model.step(view, ids).logits
+
+    def _listed(self, ids: np.ndarray) -> np.ndarray:
+        if ids.shape[0] not in self.model.widths:
+            raise ConfigError(f"width {ids.shape[0]} is not a listed {self.precision} target width "
+                              f"{self.model.widths}; pick one of those")
+        return ids
 
     def _target_pass_ms(self, width: int) -> float | None:
         """The target's pass ms at ``width``, for a fixed length's fill: from the device profile
@@ -208,13 +243,23 @@ class SelfDrafter(BaseDrafter):
             return Draft.empty()
         ys = request.yardstick
         guesses: list[int] = []
+        # A slot of a batched server among other active ones: the copy does not draft (see
+        # ``BatchRunner.copy_room``); the n-gram drafts, if any, are offered to the shared pass.
+        barred = self._room() == 0
         if self.ngram is not None:
             ng = self.ngram.propose(request, rng)
-            if len(ng) and self._use_ngram(ng, k_max, ys):
+            if len(ng) and (barred or self._use_ngram(ng, k_max, ys)):
                 self._source = "ngram"
                 self._record = {"source": "ngram", "drafts": len(ng),
-                                "why": "the n-gram drafts promise more than the copy's"}
+                                "why": "other requests are decoding: the copy does not draft" if barred else
+                                       "the n-gram drafts promise more than the copy's"}
                 return ng
+        if barred:
+            self._source = "self"
+            self._record = {"source": "self", "copied": 0, "continued": 0,
+                            "why": "other requests are decoding: the copy does not draft"}
+            return Draft.empty()
+        if self.ngram is not None:
             j = self._stage_width(ng, k_max, ys)
             guesses = [int(t) for t in ng.tokens[:j]]
         self._source = "self"
@@ -338,7 +383,7 @@ class SelfDrafter(BaseDrafter):
             if guesses:
                 # The staged check: rows 0..j of one pass over the pending token and the guesses.
                 t = time.perf_counter()
-                rows = self.model.step(view, np.asarray([x, *guesses], dtype=np.int64)).logits
+                rows = self._run(view, np.asarray([x, *guesses], dtype=np.int64))
                 for i in range(len(guesses) + 1):
                     x = take(rows[i])
                     if i == len(guesses) or x != guesses[i]:
@@ -382,7 +427,7 @@ class SelfDrafter(BaseDrafter):
                         stop, why = True, "the n-gram continuation completes the length asked for"
                         break
                     t = time.perf_counter()
-                    logits = self.model.step(view, np.array([x], dtype=np.int64)).logits[-1]
+                    logits = self._run(view, np.array([x], dtype=np.int64))[-1]
                     view.commit(1)
                     x = take(logits)
                     ms = (time.perf_counter() - t) * 1e3
