@@ -65,7 +65,7 @@ def main() -> int:
             for t in threads:
                 t.join()
             wall = time.perf_counter() - t0
-            rows = {m: round(ms, 1) for m, ms in runner.rows_ms.items()}
+            rows = {m: round(ms, 1) for m, ms in runner.costs.rows.items()}
             print(f"{name:14s} clients {args.clients}: total {tokens[0] / wall:6.1f} tok/s, per request (median) "
                   f"{statistics.median(speeds):5.1f}; passes {runner.passes}; rows pass ms {rows}", flush=True)
     return 0

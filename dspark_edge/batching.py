@@ -80,6 +80,10 @@ class PassCosts:
     def __init__(self, curve: dict[int, float] | None = None, weight: float = 0.25) -> None:
         self.curve = monotone(dict(curve)) if curve else {}
         self.weight = weight
+        # A width-1 pass of the engine's own graph over m rows (no slots graph): what a round
+        # costs when no draft is verified. Measured by ``BatchRunner.measure_rows``, then a moving
+        # average of the batched passes run.
+        self.rows: dict[int, float] = {}
         self.seen: dict[int, float] = {}
         self.warm: set[int] = set()  # the n's whose first pass has run
         self.ratio = 1.0  # observed / curve, a moving average over the passes counted
@@ -103,6 +107,10 @@ class PassCosts:
 
     def __call__(self, n: int) -> float:
         return self.seen.get(n, self._basis(n) * self.ratio)
+
+    def observe_rows(self, m: int, ms: float) -> None:
+        if m in self.rows and ms > 0:
+            self.rows[m] += self.weight * (ms - self.rows[m])
 
     def observe(self, n: int, ms: float) -> None:
         if ms <= 0:
@@ -146,7 +154,6 @@ class BatchRunner:
         elif self.slots_pass is not None and measure:
             self.measure_passes(max(model.widths))
         self.copy = None  # the self drafter's copy (a DecoderModel) running over the same rows
-        self.rows_ms: dict[int, float] = {}  # a width-1 target pass over m rows (measure_rows)
         if self.slots_pass is not None and measure:
             self.measure_rows()
         self.choices: dict[int, dict] = {}  # each offering slot's last joint choice, for its round's record
@@ -188,11 +195,11 @@ class BatchRunner:
         return table
 
     def measure_rows(self, repeats: int = 3) -> dict[int, float]:
-        """``rows_ms``: the width-1 pass over m rows, m = 1 … slots, what a round of m requests
-        costs when none of their drafts is verified (the joint choice's yardstick against the
-        slots pass; the batched passes run since then update it, a moving average). Runs on
-        rows whose caches are empty, at position 0 (nothing is committed there yet): called
-        when the runner opens. Well under a second."""
+        """``costs.rows``: the width-1 pass over m rows, m = 1 … slots, what a round of m
+        requests costs when none of their drafts is verified (the joint choice's yardstick
+        against the slots pass; the batched passes run since then update it). Runs on rows
+        whose caches are empty, at position 0 (nothing is committed there yet): called when the
+        runner opens. Well under a second."""
         ids = np.zeros((self.slots, 1), dtype=np.int64)
         mask = np.ones((self.slots, 1), dtype=np.int64)
         for m in range(1, self.slots + 1):
@@ -201,10 +208,10 @@ class BatchRunner:
                 t = time.perf_counter()
                 self.session.run_rows(self._kv, 0, ids[:m], mask[:m])
                 times.append((time.perf_counter() - t) * 1e3)
-            self.rows_ms[m] = float(np.median(times[1:]))
+            self.costs.rows[m] = float(np.median(times[1:]))
         log.info("width-1 pass over m rows on this device (ms by m): %s",
-                 ", ".join(f"{m}: {ms:.1f}" for m, ms in sorted(self.rows_ms.items())))
-        return self.rows_ms
+                 ", ".join(f"{m}: {ms:.1f}" for m, ms in sorted(self.costs.rows.items())))
+        return self.costs.rows
 
     def _open_slots(self):
         """The slots graph's session (None, with the reason logged, where it cannot be had)."""
@@ -405,11 +412,12 @@ class BatchRunner:
         base = fixed + dummies
         kept = choose_multi([offering[s][0] for s in order], lambda n: self.costs(base + n))
         rows = max(jobs) + 1
-        if any(kept) and rows in self.rows_ms and all(jobs[s].shape[0] == 1 for s in jobs if s not in offering):
+        plain = self.costs.rows.get(rows)
+        if any(kept) and plain and all(jobs[s].shape[0] == 1 for s in jobs if s not in offering):
             # Without drafts the round is one width-1 pass over the rows, cheaper than the slots
             # graph's pass: the drafts kept must beat that, not the slots pass over the anchors.
             expected = len(jobs) + sum(float(survival(offering[s][0])[:k].sum()) for s, k in zip(order, kept))
-            if expected / self.costs(base + len(order) + sum(kept)) <= len(jobs) / self.rows_ms[rows]:
+            if expected / self.costs(base + len(order) + sum(kept)) <= len(jobs) / plain:
                 kept = [0] * len(order)
         total = base + len(order) + sum(kept)
         for s, k in zip(order, kept):
@@ -477,8 +485,7 @@ class BatchRunner:
             for s in steps:
                 self._results[s] = exc
             return
-        if rows in self.rows_ms:  # the table follows the contexts' lengths, as ``PassCosts`` does
-            self.rows_ms[rows] += 0.25 * ((time.perf_counter() - t) * 1e3 - self.rows_ms[rows])
+        self.costs.observe_rows(rows, (time.perf_counter() - t) * 1e3)  # it follows the contexts' lengths
         for s in steps:
             self._wrote(s, lengths[s], 1)
         self.passes["batched"] += 1

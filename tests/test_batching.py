@@ -150,6 +150,7 @@ class _FlatCosts:
 
     def __init__(self, per_token: float) -> None:
         self.per_token = per_token
+        self.rows: dict[int, float] = {}
 
     def __call__(self, n: int) -> float:
         return 1.0 + self.per_token * (n - 1)
@@ -157,10 +158,13 @@ class _FlatCosts:
     def observe(self, n: int, ms: float) -> None:
         pass
 
+    def observe_rows(self, m: int, ms: float) -> None:
+        pass
+
 
 def _flat(runner, per_token: float) -> None:
     runner.costs = _FlatCosts(per_token)
-    runner.rows_ms = {m: runner.costs(runner.slots_pass.slots) for m in range(1, runner.slots + 1)}
+    runner.costs.rows = {m: runner.costs(runner.slots_pass.slots) for m in range(1, runner.slots + 1)}
 
 
 def _prefilled_runner(engine, slots, lengths, rng):
@@ -237,7 +241,7 @@ def test_the_joint_choice_admits_drafts_by_survival(tiny_engine):
     # Without drafts the round would be one width-1 pass over the rows: at half the slots
     # pass's cost, the drafts above (worth 1.3× that pass's tokens at 1.7× its cost) are not kept.
     _flat(runner, 0.1)
-    runner.rows_ms = {m: 0.5 for m in runner.rows_ms}
+    runner.costs.rows = {m: 0.5 for m in runner.costs.rows}
     outs = _concurrently(lambda s: runner.offer(runner.caches[s], ids[s], conf[s], 3), [(s,) for s in range(3)])
     assert all(outs[s].logits.shape[0] == 1 for s in range(3))
     # Alone: the slot's own choice (``alone`` tokens), whatever the confidences say.
