@@ -332,12 +332,8 @@ class BatchRunner:
                                       f"{model.precision}")
                 return self.copy
             session = getattr(model, "session", None)
-            ours = (self.session.kv_dtype, tuple(self._kv.row_shape), len(self.session.kv_names))
-            theirs = None
-            if getattr(model, "backend", None) == "onnxruntime" and hasattr(session, "run_rows") \
-                    and session.layout is None and session.device == "cpu":
-                theirs = (session.kv_dtype, tuple(session._buffer_shape[1:]), len(session.kv_names))
-            if theirs != ours:
+            if getattr(model, "backend", None) != "onnxruntime" or not hasattr(session, "fits_rows") \
+                    or not session.fits_rows(self._kv):
                 raise ConfigError(f"the {model.precision} graph cannot draft over the batched K/V rows of the "
                                   f"{self.model.precision} target (another K/V type, layout or device)")
             self.copy = model

@@ -342,6 +342,12 @@ class OrtDecoder:
         arrays = [np.zeros(shape, dtype=self.kv_dtype) for _ in self._kv_names]
         return OrtKVRows(arrays, [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])
 
+    def fits_rows(self, kv: OrtKVRows) -> bool:
+        """Whether this graph can run over ``kv`` (another session's rows): the shared-buffer
+        layout on the CPU, the same K/V type, row shape and layer count."""
+        return (self.layout is None and self.device == "cpu" and self.kv_dtype == kv.arrays[0].dtype
+                and tuple(self._buffer_shape[1:]) == kv.row_shape and len(self._kv_names) == len(kv.arrays))
+
     def run_rows(self, kv: OrtKVRows, first: int, ids: np.ndarray,
                  mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """One pass over rows ``first`` … ``first + n - 1`` of ``kv``: ``ids`` [n, S], ``mask``
