@@ -30,7 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", required=True, type=Path)
+    ap.add_argument("--engine", required=True, type=Path, action="append",
+                    help="engine folder; name it again to compare several (their variants are then named "
+                         "FOLDER/PRECISION, and FP32 is the first folder's)")
     ap.add_argument("--precisions", default="fp32,int4")
     ap.add_argument("--drafters", default="none,ngram", help="comma-separated: none, or a drafter spec")
     ap.add_argument("--prompts", default=None, help="JSON lines prompt file (default: the project's set)")
@@ -47,20 +49,25 @@ def main() -> int:
     from dspark_edge.errors import ConfigError
     from dspark_edge.manifest import read_manifest
 
-    manifest = read_manifest(args.engine)
+    manifest = read_manifest(args.engine[0])
     precisions = args.precisions.split(",")
+    several = len(args.engine) > 1
     drafters = [None if d == "none" else d for d in args.drafters.split(",")]
     # One process-wide thread pool: sessions take turns on the same cores without spinning
     # against each other.
     options = BackendOptions(shared_threads=True)
     pipes = {}
-    for p in precisions:
-        for d in drafters:
-            try:
-                pipes[(p, d)] = dspark_edge.load(args.engine, p, drafter=d, options=options,
-                                                 scheduler=None if d else False)
-            except ConfigError as exc:  # e.g. self-drafting for the graph that would draft
-                print(f"skipping {p} + {d}: {exc}", file=sys.stderr)
+    for engine in args.engine:
+        for p in precisions:
+            if several and p == "fp32" and engine != args.engine[0]:
+                continue  # one FP32 reference
+            name = f"{engine.name}/{p}" if several else p
+            for d in drafters:
+                try:
+                    pipes[(name, d)] = dspark_edge.load(engine, p, drafter=d, options=options,
+                                                        scheduler=None if d else False)
+                except ConfigError as exc:  # e.g. self-drafting for the graph that would draft
+                    print(f"skipping {name} + {d}: {exc}", file=sys.stderr)
     prompts = load_prompts(args.prompts)[:args.limit]
     rows: dict[str, list[dict]] = {f"{p}+{d or 'plain'}": [] for p, d in pipes}
     answers: dict[str, list[tuple]] = {k: [] for k in rows}
@@ -77,8 +84,9 @@ def main() -> int:
         prompt_ids.append(r.prompt_ids)
         print(f"[{n}/{len(prompts)}] {rec['id']}", file=sys.stderr, flush=True)
 
-    fp32 = DecoderModel(manifest, args.engine, "fp32", options=options) if "fp32" in precisions else None
-    base = "fp32+plain" if fp32 is not None else next(iter(rows))
+    fp32 = DecoderModel(manifest, args.engine[0], "fp32", options=options) if "fp32" in precisions else None
+    base = (f"{args.engine[0].name}/" if several else "") + "fp32+plain"
+    base = base if fp32 is not None else next(iter(rows))
 
     def near_tie(i: int, want: tuple, got: tuple) -> dict:
         at = next(j for j, (a, b) in enumerate(zip(want, got)) if a != b)
@@ -87,13 +95,14 @@ def main() -> int:
         gap = abs(float(logits[want[at]] - logits[got[at]])) / float(np.abs(logits).max())
         return {"prompt": prompts[i]["id"], "at": at, "relative_gap": gap, "near_tie": gap < args.tie}
 
-    report = {"engine": str(args.engine), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "int4_weights": manifest.exporter.get("int4_weights"), "results": {}}
+    report = {"engine": [str(e) for e in args.engine] if several else str(args.engine[0]), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "int4_weights": {e.name: read_manifest(e).exporter.get("int4_weights") for e in args.engine},
+              "results": {}}
     for key, rs in rows.items():
         same = [a == b for a, b in zip(answers[key], answers[base])]
         firsts = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
                   for a, b in zip(answers[key], answers[base])]
-        plain_key = key.split("+")[0] + "+plain"
+        plain_key = key.split("+", 1)[0] + "+plain"
         entry = {"tok_s": round(sum(r["new_tokens"] - 1 for r in rs) / sum(r["decode_s"] for r in rs), 2),
                  "vs_" + base: ratio_interval(rs, rows[base]),
                  "identical_to_" + base: f"{sum(same)}/{len(same)}",
@@ -106,18 +115,18 @@ def main() -> int:
             entry["identical_to_" + plain_key] = (f"{sum(a == b for a, b in zip(answers[key], answers[plain_key]))}"
                                                   f"/{len(rs)}")
         report["results"][key] = entry
-    for p in precisions:
-        report.setdefault("verify_ms", {})[p] = verify_cost_curve(next(pipe for (q, _), pipe in pipes.items()
-                                                                       if q == p).target)
+    for name in dict.fromkeys(q for q, _ in pipes):
+        report.setdefault("verify_ms", {})[name] = verify_cost_curve(next(pipe for (q, _), pipe in pipes.items()
+                                                                          if q == name).target)
     text = json.dumps(report, indent=1)
     if args.output:
         args.output.write_text(text)
     print(text)
-    print(f"\n{'variant':<18}{'tok/s':>8}{'vs ' + base:>22}{'same as FP32':>14}  near-ties", file=sys.stderr)
+    print(f"\n{'variant':<30}{'tok/s':>8}{'vs ' + base:>22}{'same as FP32':>14}  near-ties", file=sys.stderr)
     for key, e in report["results"].items():
         r = e["vs_" + base]
         ties = e.get("divergences", [])
-        print(f"{key:<18}{e['tok_s']:>8}{r['ratio']:>10.2f} ({r['ci95'][0]:.2f}–{r['ci95'][1]:.2f})"
+        print(f"{key:<30}{e['tok_s']:>8}{r['ratio']:>10.2f} ({r['ci95'][0]:.2f}–{r['ci95'][1]:.2f})"
               f"{e['identical_to_' + base]:>14}  {sum(t['near_tie'] for t in ties)}/{len(ties)}", file=sys.stderr)
     return 0
 

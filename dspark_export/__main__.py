@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--hidden-layers", type=_int_list, default=None,
                    help="comma-separated residual-stream indices exposed for drafters, each in "
                         "[1, num_layers-1] (default: three spread over the depth)")
+    t.add_argument("--int4-activations", choices=("fp32", "int8x2", "int8x3"), default="fp32",
+                   help="int4 from a GGUF: fp32 keeps activations FP32 (onnxruntime's FP32-activation 4-bit "
+                        "kernel); int8x2 / int8x3 split each activation into 2 / 3 int8 pieces for the int8 "
+                        "kernels (x3: FP32's precision; x2: about 16 bits) (default: %(default)s)")
     t.add_argument("--overwrite", action="store_true", help="replace an existing engine folder (atomically)")
     t.add_argument("--no-validate", action="store_true", help="skip the comparison against PyTorch")
     t.add_argument("-v", "--verbose", action="store_true", help="log details")
@@ -375,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "target":
             options = ExportOptions(source=args.source, output=args.output, precisions=args.precisions,
                                     widths=args.widths, hidden_layers=args.hidden_layers, graph=args.graph,
+                                    int4_activations=args.int4_activations,
                                     overwrite=args.overwrite, validate=not args.no_validate)
         else:
             options = ExportOptions(source=args.source, output=args.output, precisions=args.precisions,

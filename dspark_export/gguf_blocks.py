@@ -13,11 +13,21 @@ of 32 activations (computed once per activation that several weights read).
 
 Q8_0 (``w = d·q``, ``q`` int8; the tied embedding / LM head of the default model): a
 ``Gather`` from such a table (the embedding) reads its int8 rows and scales them, ``d·q`` being
-exact in FP32. A ``MatMul`` over it (the LM head) stays FP32: onnxruntime has no fast 8-bit
-kernel with FP32 activations, and splitting ``q`` into two 4-bit halves measured no faster at
-width 1 and slower at every wider one (docs/performance.md, "INT4 from the GGUF's blocks").
+exact in FP32. A ``MatMul`` over it (the LM head) becomes an 8-bit ``MatMulNBits`` (``q + 128``,
+zero point 128) run by the int8 kernel over the activation split into pieces (below): onnxruntime
+has no fast 8-bit kernel with FP32 activations, and the FP32 head is the largest single weight
+read at width 1 (docs/performance.md, "INT4 from the GGUF's blocks").
 
-Every term is computed in FP32, so the result equals the FP32 graph's up to the order of
+Activations in int8 pieces. The int8 kernels (``accuracy_level`` 4) quantize each block of 32
+activations to ``s·round(x/s)`` with ``s = max|x_b| / 127``. The graph splits an activation into
+``p`` pieces first: each piece but the last is exactly such a block (``s·q``, ``q`` int8, so the
+kernel's quantization returns it unchanged), the next piece is what is left, and the last piece,
+the only one the kernel rounds, is at most ``max|x_b| / 254^(p-1)`` per element, so the error of
+the sum is at most ``max|x_b| / 254^p``. Three pieces put that at FP32's own rounding (254^-3 is
+6.1e-8 of the block's largest element, 2^-24 is 6.0e-8 of each element). The pieces run as extra
+rows of one kernel call and are summed after it.
+
+Every term is computed in FP32 (or exactly, in integers), so the result equals the FP32 graph's up to the order of
 summation (the FP32 graph's weights are these blocks dequantized). Which graph weight a GGUF
 tensor became is found by value, not by name: every output row of a ``MatMul`` weight (every
 row of a ``Gather`` table) is looked up among the dequantized rows of the GGUF's tensors
@@ -44,8 +54,22 @@ BLOCK = 32
 Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of packed nibbles
 Q8_0_BYTES = 34  # fp16 d, 32 int8
 ACCURACY_FP32 = 1  # MatMulNBits accuracy_level: activations stay FP32
+ACCURACY_INT8 = 4  # MatMulNBits accuracy_level: activations quantized to int8 per block of 32
 # The manifest's exporter["int4_weights"] for a graph made here.
-INT4_GGUF_BLOCKS = "the GGUF's own Q4_1 blocks, FP32 activations"
+INT4_GGUF_BLOCKS = ("the GGUF's own Q4_1 blocks, FP32 activations; Q8_0 LM head, activations as 3 int8 "
+                    "pieces (FP32's precision)")
+# --int4-activations: the pieces each activation reaches a 4-bit kernel in (1: FP32, that kernel's
+# FP32-activation form); the 8-bit head always takes HEAD_PIECES, FP32's precision.
+INT4_ACTIVATIONS = {"fp32": 1, "int8x2": 2, "int8x3": 3}
+HEAD_PIECES = 3
+
+
+def int4_weights_note(pieces: int) -> str:
+    """The manifest's exporter["int4_weights"] for a graph made with ``pieces``."""
+    if pieces == 1:
+        return INT4_GGUF_BLOCKS
+    return (f"the GGUF's own Q4_1 blocks, activations as {pieces} int8 pieces; Q8_0 LM head, "
+            f"activations as {HEAD_PIECES} int8 pieces")
 
 
 @dataclass
@@ -140,13 +164,16 @@ def _pack_nbits(q: np.ndarray) -> np.ndarray:
 class _Rewriter:
     """Collects the nodes and initializers of the rewritten graph."""
 
-    def __init__(self) -> None:
+    def __init__(self, pieces: int, head_pieces: int, opset: int) -> None:
         from onnx import helper, numpy_helper
 
         self.helper, self.numpy_helper = helper, numpy_helper
         self.nodes: list = []
         self.added: list = []
         self.block_sums: dict[str, str] = {}  # activation -> its [.., K/32] block sums
+        self.split_of: dict[str, str] = {}  # activation -> its pieces [pieces, .., K]
+        self.pieces, self.head_pieces = pieces, head_pieces
+        self.opset = opset  # ReduceMax takes its axes as an input from opset 18 on
 
     def const(self, name: str, value: np.ndarray) -> str:
         self.added.append(self.numpy_helper.from_array(np.ascontiguousarray(value), name))
@@ -167,15 +194,63 @@ class _Rewriter:
                                            f"{tag}/input_block_sums", keepdims=0)
         return self.block_sums[x]
 
+    def split(self, x: str, k: int, tag: str, pieces: int) -> str:
+        """``x`` ([batch, seq, K]) as ``pieces`` stacked on a new first axis, each block of 32 of
+        every piece but the last exactly ``s·q`` with ``q`` an int8 and ``s = max|block| / 127``
+        (what the int8 kernel's own block quantization reproduces), the last the remainder. The
+        pieces sum to ``x`` exactly in FP32; the kernel quantizes only the remainder, whose
+        error is ``max|x_b| / 254^pieces`` at most."""
+        if (x, pieces) not in self.split_of:
+            # Blocks as [1, batch, seq, K/32, 32]: the pieces then stack on the first axis as they are.
+            lifted = self.node("Unsqueeze", [x, self.const(f"{tag}.split_axis", np.array([0]))], f"{tag}/lifted")
+            blocks = self.node("Reshape", [lifted, self.const(f"{tag}.split_shape", np.array([0, 0, 0, k // BLOCK, BLOCK]))],
+                               f"{tag}/split_blocks")
+            axes = self.const(f"{tag}.split_axes", np.array([-1]))
+            tiny = self.const(f"{tag}.tiny", np.array(1e-30, np.float32))  # an all-zero block: scale 0
+            int8_max = self.const(f"{tag}.int8_max", np.array(127.0, np.float32))
+            parts, rest = [], blocks
+            for i in range(pieces - 1):
+                magnitude = self.node("Abs", [rest], f"{tag}/abs{i}")
+                top = (self.node("ReduceMax", [magnitude, axes], f"{tag}/max{i}", keepdims=1) if self.opset >= 18 else
+                       self.node("ReduceMax", [magnitude], f"{tag}/max{i}", keepdims=1, axes=[-1]))
+                scale = self.node("Div", [self.node("Max", [top, tiny], f"{tag}/max{i}_nz"), int8_max], f"{tag}/scale{i}")
+                part = self.node("Mul", [self.node("Round", [self.node("Div", [rest, scale], f"{tag}/scaled{i}")],
+                                                   f"{tag}/int{i}"), scale], f"{tag}/piece{i}")
+                rest = self.node("Sub", [rest, part], f"{tag}/rest{i}")
+                parts.append(part)
+            parts.append(rest)
+            stacked = self.node("Concat", parts, f"{tag}/stacked_blocks", axis=0)
+            self.split_of[(x, pieces)] = self.node("Reshape", [stacked, self.const(f"{tag}.pieces_shape",
+                                                                                   np.array([0, 0, 0, k]))], f"{tag}/pieces")
+        return self.split_of[(x, pieces)]
+
+    def nbits(self, x: str, tag: str, packed: np.ndarray, scales: np.ndarray, n: int, k: int, bits: int,
+              pieces: int) -> str:
+        """``MatMulNBits`` over ``x``: FP32 activations with one piece, else the int8 kernel over
+        ``x``'s pieces, summed."""
+        inputs = [self.const(f"{tag}.q{bits}", packed), self.const(f"{tag}.q{bits}_scales", scales)]
+        if pieces == 1:
+            return self.node("MatMulNBits", [x, *inputs], f"{tag}/q{bits}_out", K=k, N=n, bits=bits,
+                             block_size=BLOCK, accuracy_level=ACCURACY_FP32)
+        each = self.node("MatMulNBits", [self.split(x, k, tag, pieces), *inputs], f"{tag}/q{bits}_pieces", K=k, N=n,
+                         bits=bits, block_size=BLOCK, accuracy_level=ACCURACY_INT8)
+        return self.node("ReduceSum", [each, self.const(f"{tag}.piece_axis", np.array([0]))], f"{tag}/q{bits}_out",
+                         keepdims=0)
+
     def matmul(self, x: str, y: str, tag: str, q: np.ndarray, d: np.ndarray, m: np.ndarray) -> None:
         """``y = x·W`` for the Q4_1 rows (q, d, m) of W's N output columns, each of K inputs."""
         n, k = q.shape
-        out = self.node("MatMulNBits", [x, self.const(f"{tag}.q4", _pack_nbits(q)),
-                                        self.const(f"{tag}.q4_scales", d.reshape(-1).astype(np.float32))],
-                        f"{tag}/q4_out", K=k, N=n, bits=4, block_size=BLOCK, accuracy_level=ACCURACY_FP32)
+        out = self.nbits(x, tag, _pack_nbits(q), d.reshape(-1).astype(np.float32), n, k, 4, self.pieces)
         fix = self.node("MatMul", [self.sums(x, k, tag), self.const(f"{tag}.q4_block_offsets",
                                                                     (m + 8.0 * d).T.astype(np.float32))], f"{tag}/offsets")
         self.nodes.append(self.helper.make_node("Add", [out, fix], [y], name=f"{tag}/sum"))
+
+    def matmul_q8_0(self, x: str, y: str, tag: str, q: np.ndarray, d: np.ndarray) -> None:
+        """``y = x·W`` for Q8_0 rows: 8-bit blocks with zero point 128 (``q + 128``)."""
+        n, k = q.shape
+        codes = (q.astype(np.int16) + 128).astype(np.uint8).reshape(n, k // BLOCK, BLOCK)
+        out = self.nbits(x, tag, codes, d.reshape(-1).astype(np.float32), n, k, 8, self.head_pieces)
+        self.nodes.append(self.helper.make_node("Identity", [out], [y], name=f"{tag}/q8"))
 
     def gather_q8_0(self, ids: str, y: str, tag: str, q: np.ndarray, d: np.ndarray) -> None:
         """``y = table[ids]`` for a Q8_0 table: its int8 rows times their block scales."""
@@ -222,10 +297,11 @@ def _prune(graph) -> None:
 
 
 def rewrite_to_gguf_blocks(fp32_model: Path, gguf_path: Path, out_model: Path,
-                           say: Callable[[str], None] | None = None) -> dict[str, int]:
+                           say: Callable[[str], None] | None = None, pieces: int = 1) -> dict[str, int]:
     """Write ``out_model``: the FP32 graph at ``fp32_model`` with every MatMul whose weight is a
-    GGUF Q4_1 tensor, and every Gather from a Q8_0 table, computed from that tensor's own blocks.
-    Returns counts for the manifest.
+    GGUF Q4_1 or Q8_0 tensor, and every Gather from a Q8_0 table, computed from that tensor's own
+    blocks. ``pieces``: the 4-bit matmuls' activations stay FP32 (1) or reach the int8 kernel in
+    that many pieces; a Q8_0 matmul's always in ``HEAD_PIECES``. Returns counts for the manifest.
 
     Raises ExportError when the GGUF has no Q4_1 tensor that the graph uses."""
     import onnx
@@ -251,8 +327,9 @@ def rewrite_to_gguf_blocks(fp32_model: Path, gguf_path: Path, out_model: Path,
             matched[(name, transposed)] = rows.match(table) if table.shape[1] % BLOCK == 0 else None
         return matched[(name, transposed)]
 
-    out = _Rewriter()
-    counts = {"matmuls_4bit": 0, "matmuls_fp32": 0, "params_4bit": 0, "gathers_8bit": 0}
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    out = _Rewriter(pieces, HEAD_PIECES, opset)
+    counts = {"matmuls_4bit": 0, "matmuls_8bit": 0, "matmuls_fp32": 0, "params_4bit": 0, "gathers_8bit": 0}
     for node in graph.node:
         tag = node.name or node.output[0]
         if node.op_type == "Gather" and node.input[0] not in inits:
@@ -268,6 +345,11 @@ def rewrite_to_gguf_blocks(fp32_model: Path, gguf_path: Path, out_model: Path,
             out.nodes.append(node)
             continue
         hits = hits_of(weight.name, True)
+        if hits is not None and rows.kind[hits[0][0]] == "q8_0":
+            _, q, d, _ = rows.gather(hits)
+            out.matmul_q8_0(node.input[0], node.output[0], tag, q, d)
+            counts["matmuls_8bit"] += 1
+            continue
         if hits is None or rows.kind[hits[0][0]] != "q4_1":
             counts["matmuls_fp32"] += 1
             out.nodes.append(node)
@@ -291,6 +373,6 @@ def rewrite_to_gguf_blocks(fp32_model: Path, gguf_path: Path, out_model: Path,
     for made in (out_model, out_model.with_name(out_model.name + ".data")):
         shutil.copymode(fp32_model, made)  # onnx writes its weights file owner-only; keep the FP32 graph's mode
     say(f"      {counts['matmuls_4bit']} matmuls from the GGUF's Q4_1 blocks ({counts['params_4bit'] / 1e6:.1f}M "
-        f"weights), {counts['gathers_8bit']} embedding table(s) from Q8_0 blocks, {counts['matmuls_fp32']} "
-        "matmul(s) kept in FP32")
+        f"weights), {counts['matmuls_8bit']} from Q8_0 blocks, {counts['gathers_8bit']} embedding table(s) from "
+        f"Q8_0 blocks, {counts['matmuls_fp32']} matmul(s) kept in FP32")
     return counts

@@ -28,7 +28,7 @@ from dspark_edge.manifest import (GraphIO, Manifest, ModelInfo, SCHEMA_VERSION, 
 from .atomic import publish, staging
 from .atomic import scratch as scratch_dir
 from .embedding_table import separate_embedding_table
-from .gguf_blocks import INT4_GGUF_BLOCKS, rewrite_to_gguf_blocks
+from .gguf_blocks import INT4_ACTIVATIONS, int4_weights_note, rewrite_to_gguf_blocks
 from .portable import PORTABLE_IO, PORTABLE_PRECISIONS
 from .sources import Source, load_source, resolve_source, source_digest
 
@@ -70,6 +70,7 @@ class ExportOptions:
     distill_minutes: float = 0.0
     distill_min_steps: int = 0  # at least this many distillation steps, whatever the clock says
     graph: str = "fused"
+    int4_activations: str = "fp32"  # a GGUF's int4 graph: "fp32", or "int8x2" / "int8x3" (gguf_blocks)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output", Path(self.output))
@@ -90,6 +91,8 @@ class ExportOptions:
                 raise ExportError(f"--target {self.target_engine} is not an engine folder (no manifest.json)")
         if self.graph not in GRAPHS:
             raise ExportError(f"graph must be one of {list(GRAPHS)}, got {self.graph!r}")
+        if self.int4_activations not in INT4_ACTIVATIONS:
+            raise ExportError(f"int4 activations must be one of {list(INT4_ACTIVATIONS)}, got {self.int4_activations!r}")
         allowed = TARGET_PRECISIONS if self.graph == "fused" else PORTABLE_PRECISIONS
         if not self.precisions:
             raise ExportError("precisions is empty: name at least one of " + ", ".join(allowed))
@@ -301,7 +304,7 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
         # unless distillation changed the weights; from other sources the builder re-quantizes.
         exact_int4 = "int4" in options.precisions and source.kind != "hf" and not options.distill_minutes
         if "int4" in options.precisions:
-            extra_info["int4_weights"] = (INT4_GGUF_BLOCKS if exact_int4 else
+            extra_info["int4_weights"] = (int4_weights_note(INT4_ACTIVATIONS[options.int4_activations]) if exact_int4 else
                                           "re-quantized by onnxruntime-genai's model builder")
         config = model.config
         layers = options.hidden_layers if options.hidden_layers is not None else default_hidden_layers(
@@ -325,13 +328,13 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
                 rel = f"{options.role}/{precision}"
                 if precision == "int4" and exact_int4:
                     say(f"[{next(n)}/{steps}] building the int4 {options.role} graph from the GGUF's own "
-                        "Q4_1 blocks (FP32 activations)")
+                        f"blocks ({options.int4_activations} activations)")
                     fp32_dir = stage / f"{options.role}/fp32"
                     if "fp32" not in options.precisions:
                         fp32_dir = scratch / "fp32-for-int4"
                         build_graph(hf_dir, fp32_dir, "fp32", layers, scratch / "builder-fp32.log")
                     counts = rewrite_to_gguf_blocks(fp32_dir / "model.onnx", source.path, stage / rel / "model.onnx",
-                                                    say)
+                                                    say, pieces=INT4_ACTIVATIONS[options.int4_activations])
                     extra_info.update({f"int4_{k}": str(v) for k, v in counts.items()})
                 else:
                     say(f"[{next(n)}/{steps}] building the {precision} {options.role} graph (hidden layers "

@@ -107,8 +107,9 @@ def test_speculative_ngram_exact_on_prompt_set(default_engine):
 
 
 def test_int4_from_the_gguf_blocks_decodes_as_fp32(default_engine, pipe):
-    """The int4 graph holds the GGUF's own 4-bit blocks with FP32 activations: its greedy output
-    is FP32's, except where FP32's two best logits are a near-tie (summation order decides)."""
+    """The int4 graph holds the GGUF's own 4-bit blocks with FP32 activations and its Q8_0 head
+    with the activation in three int8 pieces: its greedy output is FP32's, except where FP32's two
+    best logits are a near-tie (summation order decides)."""
     import numpy as np
 
     from dspark_edge.decoder import DecoderModel
@@ -116,6 +117,7 @@ def test_int4_from_the_gguf_blocks_decodes_as_fp32(default_engine, pipe):
 
     m = read_manifest(default_engine)
     assert m.exporter["int4_weights"] == INT4_GGUF_BLOCKS and int(m.exporter["int4_matmuls_4bit"]) == 150
+    assert int(m.exporter["int4_matmuls_8bit"]) == 1 and int(m.exporter["int4_matmuls_fp32"]) == 0  # the head
     assert next(v for v in m.validation if v.precision == "int4").greedy_tokens_matched == \
         next(v for v in m.validation if v.precision == "int4").greedy_tokens_compared
     import subprocess

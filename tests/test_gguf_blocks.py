@@ -12,6 +12,7 @@ gguf = pytest.importorskip("gguf")
 onnx = pytest.importorskip("onnx")
 
 from dspark_edge.errors import ExportError
+from dspark_export import gguf_blocks
 from dspark_export.gguf_blocks import (
     read_gguf_rows,
     rewrite_to_gguf_blocks,
@@ -100,17 +101,65 @@ def test_the_rewritten_graph_computes_the_fp32_graph(tmp_path):
         "embd": (rng.standard_normal((50, k)) * 0.1, Q8_0)})
     _graph(tmp_path / "fp32.onnx", _weights(rng, back))
     counts = rewrite_to_gguf_blocks(tmp_path / "fp32.onnx", tmp_path / "m.gguf", tmp_path / "out" / "int4.onnx")
-    assert counts == {"matmuls_4bit": 2, "matmuls_fp32": 2, "params_4bit": 2 * k * n, "gathers_8bit": 1}
+    assert counts == {"matmuls_4bit": 2, "matmuls_8bit": 1, "matmuls_fp32": 1, "params_4bit": 2 * k * n,
+                      "gathers_8bit": 1}
     model = onnx.load(str(tmp_path / "out" / "int4.onnx"), load_external_data=False)
+    nbits = [nd for nd in model.graph.node if nd.op_type == "MatMulNBits"]
+    accuracy = sorted((next(a.i for a in nd.attribute if a.name == "bits"),
+                       next(a.i for a in nd.attribute if a.name == "accuracy_level")) for nd in nbits)
+    assert accuracy == [(4, 1), (4, 1), (8, 4)]  # A, B with FP32 activations; C (Q8_0) by the int8 kernel
     ops = [nd.op_type for nd in model.graph.node]
-    assert ops.count("MatMulNBits") == 2 and ops.count("Transpose") == 0
-    assert ops.count("ReduceSum") == 1  # one block sum for A and B's input
-    # C (Q8_0) stays an FP32 matmul; D is in no GGUF; the embedding reads int8 rows, not Et.
-    assert {i.name for i in model.graph.initializer} & {"A", "B", "C", "D", "Et"} == {"C", "D"}
+    assert ops.count("Transpose") == 0 and ops.count("Round") == 2  # C's input in 3 pieces
+    assert ops.count("ReduceSum") == 2  # one block sum for A and B's input, one sum of C's pieces
+    # D is in no GGUF; the embedding reads int8 rows, not Et.
+    assert {i.name for i in model.graph.initializer} & {"A", "B", "C", "D", "Et"} == {"D"}
     feeds = {"x": rng.standard_normal((1, 5, k)).astype(np.float32), "ids": np.array([[0, 7, 49, 7, 3]])}
     for want, got in zip(_run(tmp_path / "fp32.onnx", feeds), _run(tmp_path / "out" / "int4.onnx", feeds)):
         assert np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert np.array_equal(_run(tmp_path / "out" / "int4.onnx", feeds)[2], _run(tmp_path / "fp32.onnx", feeds)[2])
+
+
+def _two_matmuls(path, w: np.ndarray, other: np.ndarray) -> None:
+    """y = x·W and z = x·other."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    f32 = TensorProto.FLOAT
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="w"),
+                           helper.make_node("MatMul", ["x", "O"], ["z"], name="o")], "g",
+                          [helper.make_tensor_value_info("x", f32, [1, "S", w.shape[0]])],
+                          [helper.make_tensor_value_info("y", f32, [1, "S", w.shape[1]]),
+                           helper.make_tensor_value_info("z", f32, [1, "S", other.shape[1]])],
+                          [numpy_helper.from_array(w, "W"), numpy_helper.from_array(other, "O")])
+    onnx.save_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_activations_in_int8_pieces_reach_fp32s_precision_with_three(tmp_path, monkeypatch, kind):
+    """The int8 kernel over 2 and 3 pieces of an activation (heavy-tailed, as a transformer's):
+    the third piece divides the error by a large factor, and three pieces are as close to the
+    exact product as FP32's own matmul is (a Q4_1 matmul with --int4-activations int8x2 / int8x3,
+    a Q8_0 head with HEAD_PIECES)."""
+    rng = np.random.default_rng(3)
+    k, n = 256, 96
+    back = _write_gguf(tmp_path / "m.gguf", {"w": (rng.standard_normal((n, k)), Q4_1 if kind == "q4_1" else Q8_0),
+                                             "other": (rng.standard_normal((32, k)), Q4_1)})
+    _two_matmuls(tmp_path / "fp32.onnx", back["w"].T.copy(), back["other"].T.copy())
+    x = (rng.standard_normal((1, 6, k)) * np.exp(2 * rng.standard_normal(k))).astype(np.float32)
+    exact = x.astype(np.float64) @ back["w"].T.astype(np.float64)
+    scale = np.abs(exact).max()
+    fp32_err = np.abs(_run(tmp_path / "fp32.onnx", {"x": x})[0] - exact).max() / scale
+    errs = {}
+    for pieces in (2, 3):
+        out = tmp_path / f"p{pieces}" / "m.onnx"
+        monkeypatch.setattr(gguf_blocks, "HEAD_PIECES", pieces)
+        counts = rewrite_to_gguf_blocks(tmp_path / "fp32.onnx", tmp_path / "m.gguf", out,
+                                        pieces=pieces if kind == "q4_1" else 1)
+        assert (counts["matmuls_4bit"], counts["matmuls_8bit"]) == ((2, 0) if kind == "q4_1" else (1, 1))
+        ops = [nd.op_type for nd in onnx.load(str(out), load_external_data=False).graph.node]
+        assert ops.count("Round") == pieces - 1  # x split once (both Q4_1 matmuls read it), or for the head alone
+        errs[pieces] = np.abs(_run(out, {"x": x})[0] - exact).max() / scale
+    assert errs[2] < 1e-4 and errs[3] < errs[2] / 20, errs
+    assert errs[3] < 4 * fp32_err + 1e-7, (errs, fp32_err)
 
 
 def test_a_gguf_that_is_not_the_graphs_source_is_refused(tmp_path):
