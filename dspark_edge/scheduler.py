@@ -29,7 +29,9 @@ run of rejections, a few slow wide passes) can make every draft look not worth v
 then nothing would ever show otherwise (a replay that starts at δ = −3 verifies no draft at all:
 docs/notes/, "Calibrated n-gram confidences"). So after
 ``explore_every`` rounds in a row whose drafts were all declined, one round verifies the first
-draft (the narrowest listed width above 1); the choice depends only on that count.
+draft (the narrowest listed width above 1); the choice depends only on that count. Each explored
+draft that is rejected doubles that count for the next time (up to ``explore_every_max``), so a
+drafter that keeps failing costs ever fewer wide passes; an accepted one resets it.
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ class SchedulerConfig:
     online_calibration: float = 0.1  # step size of the online confidence offset (0: confidences as given)
     max_offset: float = 3.0  # the offset stays within ± this (logits)
     explore_every: int = 16  # drafts offered and declined this many rounds in a row: verify one (0: never)
+    explore_every_max: int = 256  # ... doubling after each explored draft rejected, up to this
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -165,6 +168,9 @@ class SchedulerConfig:
             raise ConfigError(f"gate_draft_share must be in [0, 1], got {self.gate_draft_share}")
         if self.explore_every < 0:
             raise ConfigError(f"explore_every must be >= 0 (0: never), got {self.explore_every}")
+        if self.explore_every_max < self.explore_every:
+            raise ConfigError(f"explore_every_max ({self.explore_every_max}) must be >= explore_every "
+                              f"({self.explore_every})")
         if self.probe_every < 1 or self.cost_window < 1 or self.min_observations < 1:
             raise ConfigError("probe_every, cost_window and min_observations must be >= 1")
         if not self.memory_low_mb < self.memory_ok_mb:
@@ -283,6 +289,8 @@ class Scheduler:
         self._spec_rounds = 0
         self.offset = 0.0  # the online confidence offset δ (logits)
         self._declined = 0  # rounds in a row whose offered drafts were all declined
+        self._explore_after = self.config.explore_every  # declined rounds before the next explore
+        self._explored = False  # this round verifies a draft only to explore
         self._source: str | None = None  # the drafter's source of this round's drafts (see decide)
         self.decisions: deque[Decision] = deque(maxlen=self.config.max_record)
 
@@ -409,14 +417,16 @@ class Scheduler:
             why = (f"tau/cost best at width {width} (stopped at the first non-improving width)"
                    + (", energy-weighted: hot" if self.mode == "hot" else ""))
             self._declined = self._declined + 1 if width == 1 else 0
-            explore = self.config.explore_every
+            if width > 1:  # verifying drafts by choice: the estimates say they pay, explore at the base rate
+                self._explore_after = self.config.explore_every
+            explore = self._explore_after
             if explore and self._declined >= explore and len(fits) > 1:
                 # Declined drafts are never verified, so nothing would ever show that they had
                 # become worth verifying: the offset (and a drafter's own acceptance counts)
                 # would stay where a bad stretch left them. One narrow verify now and then keeps
                 # them learning. It depends on the count of past rounds only, never on this
                 # round's draws, so sampling stays exact.
-                width, mode, self._declined = fits[1], "probe", 0
+                width, mode, self._declined, self._explored = fits[1], "probe", 0, True
                 value = 1.0 / self._cost(width)
                 why = (f"explore: drafts declined {explore} rounds in a row; verifying the first keeps the "
                        "confidence estimates learning")
@@ -438,3 +448,16 @@ class Scheduler:
 
     def observe(self, width: int, verify_ms: float) -> None:
         self.costs.observe(width, verify_ms)
+
+    def observe_outcome(self, accepted: int) -> None:
+        """How many drafts this round's verify accepted. An explored draft that was rejected
+        doubles the wait before the next exploration (up to ``explore_every_max``): where drafts
+        keep failing (a target whose wider passes cost far more than one step, a text the
+        drafter cannot follow) each exploration costs a wider pass for nothing, and at a fixed
+        rate that cost stays. An accepted one returns the wait to ``explore_every``. Only past
+        rounds decide, so sampling stays exact."""
+        if not self._explored:
+            return
+        self._explored = False
+        cfg = self.config
+        self._explore_after = cfg.explore_every if accepted else min(2 * self._explore_after, cfg.explore_every_max)

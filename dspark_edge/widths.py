@@ -146,6 +146,7 @@ class Scheduled:
     def learn(self, width, verify_ms, round_ms, confidence, accepted, shift) -> None:
         sched = self.scheduler
         sched.observe(width, verify_ms)
+        sched.observe_outcome(accepted)
         if round_ms is not None:
             # Every round that paid for drafting counts toward the gate, also one whose drafts
             # were all declined: its token cost a draft and a pass.

@@ -406,6 +406,34 @@ def test_declined_drafts_are_explored_so_a_low_offset_recovers():
         SchedulerConfig(explore_every=-1)
 
 
+def test_explorations_that_fail_come_ever_more_rarely_and_one_that_succeeds_resets_them():
+    """Where explored drafts keep being rejected, each exploration doubles the wait before the
+    next (16, 32, 64, … up to ``explore_every_max``); an accepted one brings it back to
+    ``explore_every``. Without the outcome (nothing observed), the rate stays fixed."""
+    steep = {1: 10.0, 2: 19.0, 3: 21.0, 4: 23.0, 6: 30.0, 8: 37.0}  # wide passes cost ~2 steps
+    conf, snap = np.full(3, 0.3), _snap()
+
+    def gaps(sched, rounds, accept_from=None):
+        seen, last = [], 0
+        for i in range(1, rounds + 1):
+            d = sched.decide(conf, snap, shift=False)
+            if d.width > 1:
+                assert d.mode == "probe" and "explore" in d.reason
+                seen.append(i - last)
+                last = i
+                sched.observe_outcome(1 if accept_from is not None and len(seen) >= accept_from else 0)
+            else:
+                sched.observe_outcome(0)
+        return seen
+
+    sched = Scheduler(CostModel(steep, 0.0), WIDTHS, SchedulerConfig(explore_every=16, explore_every_max=128))
+    assert gaps(sched, 900) == [16, 32, 64, 128, 128, 128, 128, 128, 128]
+    sched = Scheduler(CostModel(steep, 0.0), WIDTHS, SchedulerConfig(explore_every=16, explore_every_max=128))
+    assert gaps(sched, 300, accept_from=3) == [16, 32, 64] + [16] * 11  # the third is accepted: back to 16
+    with pytest.raises(ConfigError, match="explore_every_max"):
+        SchedulerConfig(explore_every=32, explore_every_max=16)
+
+
 def test_drafting_time_is_kept_per_source():
     """A drafter with two sources (n-gram lookup, a model) gets each one's drafting time in the
     rounds it drafts; without a source, the moving time over all rounds."""
