@@ -407,23 +407,24 @@ class BatchRunner:
         dummies = self.slots_pass.slots - len(jobs)
         base = fixed + dummies
         kept = choose_multi([offering[s][0] for s in order], lambda n: self.costs(base + n))
+        accepted = {s: float(survival(offering[s][0])[:k].sum()) for s, k in zip(order, kept)}  # expected
+        why = "drafts admitted by survival while expected tokens per ms of the shared pass improved"
         rows = max(jobs) + 1
         plain = self.costs.rows.get(rows)
         if any(kept) and plain and all(jobs[s].shape[0] == 1 for s in jobs if s not in offering):
             # Without drafts the round is one width-1 pass over the rows, cheaper than the slots
             # graph's pass: the drafts kept must beat that, not the slots pass over the anchors.
-            expected = len(jobs) + sum(float(survival(offering[s][0])[:k].sum()) for s, k in zip(order, kept))
+            expected = len(jobs) + sum(accepted.values())
             if expected / self.costs(base + len(order) + sum(kept)) <= len(jobs) / plain:
-                kept = [0] * len(order)
+                kept, accepted = [0] * len(order), dict.fromkeys(order, 0.0)
+                why = "drafts declined: the expected tokens per ms do not beat one width-1 pass over the rows"
         total = base + len(order) + sum(kept)
         for s, k in zip(order, kept):
             offered = len(offering[s][0])
             jobs[s] = jobs[s][:1 + k]
             self.choices[s] = {"requests": len(jobs), "offered": offered, "kept": k, "pass_tokens": total,
-                               "expected_accepted": round(float(survival(offering[s][0])[:k].sum()), 4),
-                               "pass_ms_expected": round(self.costs(total), 3),
-                               "reason": "drafts admitted by survival while expected tokens per ms of the "
-                                         "shared pass improved"}
+                               "expected_accepted": round(accepted[s], 4),
+                               "pass_ms_expected": round(self.costs(total), 3), "reason": why}
         return jobs
 
     def _slots(self, jobs: dict[int, np.ndarray]) -> None:

@@ -244,6 +244,8 @@ def test_the_joint_choice_admits_drafts_by_survival(tiny_engine):
     runner.costs.rows = {m: 0.5 for m in runner.costs.rows}
     outs = _concurrently(lambda s: runner.offer(runner.caches[s], ids[s], conf[s], 3), [(s,) for s in range(3)])
     assert all(outs[s].logits.shape[0] == 1 for s in range(3))
+    assert all(runner.choices[s]["requests"] == 3 and runner.choices[s]["expected_accepted"] == 0.0 and
+               "width-1 pass over the rows" in runner.choices[s]["reason"] for s in range(3)), runner.choices
     # Alone: the slot's own choice (``alone`` tokens), whatever the confidences say.
     runner.leave(1), runner.leave(2)
     out = runner.offer(runner.caches[0], ids[0], conf[0], 2)
