@@ -20,15 +20,15 @@ read at width 1 (docs/performance.md, "INT4 from the GGUF's blocks").
 
 Activations in int8 pieces. The int8 kernels (``accuracy_level`` 4) quantize each block of 32
 activations to ``s·round(x/s)`` with ``s = max|x_b| / 127``. The graph splits an activation into
-``p`` pieces first: each piece but the last is exactly such a block (``s·q``, ``q`` int8, so the
-kernel's quantization returns it unchanged), the next piece is what is left, and the last piece,
-the only one the kernel rounds, is at most ``max|x_b| / 254^(p-1)`` per element, so the error of
-the sum is at most ``max|x_b| / 254^p``. Three pieces put that at FP32's own rounding (254^-3 is
-6.1e-8 of the block's largest element, 2^-24 is 6.0e-8 of each element). The pieces run as extra
-rows of one kernel call and are summed after it.
+``p`` pieces first: each piece but the last is that quantization of what the pieces before it
+leave (exactly ``s·q`` with ``q`` an int8, so the kernel keeps it unchanged); the last is the
+remainder, at most ``max|x_b| / 254^(p-1)`` per element and the only piece the kernel rounds, so
+the error of the sum is at most ``max|x_b| / 254^p``. Three pieces put that at FP32's own
+rounding (254^-3 is 6.1e-8 of the block's largest element, 2^-24 is 6.0e-8 of each element).
+The pieces run as extra rows of one kernel call and are summed after it.
 
-Every term is computed in FP32 (or exactly, in integers), so the result equals the FP32 graph's up to the order of
-summation (the FP32 graph's weights are these blocks dequantized). Which graph weight a GGUF
+Every term is computed in FP32 (or exactly, in integers), so the result equals the FP32 graph's
+up to the order of summation (the FP32 graph's weights are these blocks dequantized). Which graph weight a GGUF
 tensor became is found by value, not by name: every output row of a ``MatMul`` weight (every
 row of a ``Gather`` table) is looked up among the dequantized rows of the GGUF's tensors
 (transformers fuses q/k/v, permutes the q and k rows for its rotary layout, and transposes).
@@ -171,7 +171,7 @@ class _Rewriter:
         self.nodes: list = []
         self.added: list = []
         self.block_sums: dict[str, str] = {}  # activation -> its [.., K/32] block sums
-        self.split_of: dict[str, str] = {}  # activation -> its pieces [pieces, .., K]
+        self.split_of: dict[tuple[str, int], str] = {}  # (activation, pieces) -> [pieces, .., K]
         self.pieces, self.head_pieces = pieces, head_pieces
         self.opset = opset  # ReduceMax takes its axes as an input from opset 18 on
 
@@ -203,25 +203,28 @@ class _Rewriter:
         if (x, pieces) not in self.split_of:
             # Blocks as [1, batch, seq, K/32, 32]: the pieces then stack on the first axis as they are.
             lifted = self.node("Unsqueeze", [x, self.const(f"{tag}.split_axis", np.array([0]))], f"{tag}/lifted")
-            blocks = self.node("Reshape", [lifted, self.const(f"{tag}.split_shape", np.array([0, 0, 0, k // BLOCK, BLOCK]))],
-                               f"{tag}/split_blocks")
+            shape = self.const(f"{tag}.split_shape", np.array([0, 0, 0, k // BLOCK, BLOCK]))
+            blocks = self.node("Reshape", [lifted, shape], f"{tag}/split_blocks")
             axes = self.const(f"{tag}.split_axes", np.array([-1]))
             tiny = self.const(f"{tag}.tiny", np.array(1e-30, np.float32))  # an all-zero block: scale 0
             int8_max = self.const(f"{tag}.int8_max", np.array(127.0, np.float32))
             parts, rest = [], blocks
             for i in range(pieces - 1):
                 magnitude = self.node("Abs", [rest], f"{tag}/abs{i}")
-                top = (self.node("ReduceMax", [magnitude, axes], f"{tag}/max{i}", keepdims=1) if self.opset >= 18 else
-                       self.node("ReduceMax", [magnitude], f"{tag}/max{i}", keepdims=1, axes=[-1]))
-                scale = self.node("Div", [self.node("Max", [top, tiny], f"{tag}/max{i}_nz"), int8_max], f"{tag}/scale{i}")
+                if self.opset >= 18:
+                    top = self.node("ReduceMax", [magnitude, axes], f"{tag}/max{i}", keepdims=1)
+                else:
+                    top = self.node("ReduceMax", [magnitude], f"{tag}/max{i}", keepdims=1, axes=[-1])
+                top = self.node("Max", [top, tiny], f"{tag}/max{i}_nz")
+                scale = self.node("Div", [top, int8_max], f"{tag}/scale{i}")
                 part = self.node("Mul", [self.node("Round", [self.node("Div", [rest, scale], f"{tag}/scaled{i}")],
                                                    f"{tag}/int{i}"), scale], f"{tag}/piece{i}")
                 rest = self.node("Sub", [rest, part], f"{tag}/rest{i}")
                 parts.append(part)
             parts.append(rest)
             stacked = self.node("Concat", parts, f"{tag}/stacked_blocks", axis=0)
-            self.split_of[(x, pieces)] = self.node("Reshape", [stacked, self.const(f"{tag}.pieces_shape",
-                                                                                   np.array([0, 0, 0, k]))], f"{tag}/pieces")
+            shape = self.const(f"{tag}.pieces_shape", np.array([0, 0, 0, k]))
+            self.split_of[(x, pieces)] = self.node("Reshape", [stacked, shape], f"{tag}/pieces")
         return self.split_of[(x, pieces)]
 
     def nbits(self, x: str, tag: str, packed: np.ndarray, scales: np.ndarray, n: int, k: int, bits: int,
