@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from dspark_edge.errors import DSparkError, ExportError
+from .gguf_blocks import INT4_ACTIVATIONS
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--hidden-layers", type=_int_list, default=None,
                    help="comma-separated residual-stream indices exposed for drafters, each in "
                         "[1, num_layers-1] (default: three spread over the depth)")
-    t.add_argument("--int4-activations", choices=("fp32", "int8x2", "int8x3"), default="fp32",
+    t.add_argument("--int4-activations", choices=tuple(INT4_ACTIVATIONS), default="fp32",
                    help="int4 from a GGUF: fp32 keeps activations FP32 (onnxruntime's FP32-activation 4-bit "
                         "kernel); int8x2 / int8x3 split each activation into 2 / 3 int8 pieces for the int8 "
                         "kernels (x3: FP32's precision; x2: about 16 bits) (default: %(default)s)")

@@ -92,7 +92,11 @@ class ExportOptions:
         if self.graph not in GRAPHS:
             raise ExportError(f"graph must be one of {list(GRAPHS)}, got {self.graph!r}")
         if self.int4_activations not in INT4_ACTIVATIONS:
-            raise ExportError(f"int4 activations must be one of {list(INT4_ACTIVATIONS)}, got {self.int4_activations!r}")
+            raise ExportError(f"int4 activations must be one of {list(INT4_ACTIVATIONS)}, "
+                              f"got {self.int4_activations!r}")
+        if self.int4_activations != "fp32" and "int4" not in self.precisions:
+            raise ExportError(f"--int4-activations {self.int4_activations} shapes the int4 graph: add int4 to "
+                              "--precisions, or drop the option")
         allowed = TARGET_PRECISIONS if self.graph == "fused" else PORTABLE_PRECISIONS
         if not self.precisions:
             raise ExportError("precisions is empty: name at least one of " + ", ".join(allowed))
@@ -266,6 +270,10 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
     """Export ``options.source`` into ``options.output``; returns the written manifest."""
     say = progress or (lambda msg: log.info("%s", msg))
     source = resolve_source(options.source)
+    if options.int4_activations != "fp32" and (source.kind == "hf" or options.distill_minutes):
+        raise ExportError(f"--int4-activations {options.int4_activations} applies to int4 made from a GGUF's own "
+                          "blocks; this int4 graph is re-quantized by the model builder: drop the option")
+    pieces = INT4_ACTIVATIONS[options.int4_activations]
     try:
         if options.graph == "fused":
             import onnxruntime_genai.models.builder  # noqa: F401  (fail before any long work)
@@ -304,7 +312,7 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
         # unless distillation changed the weights; from other sources the builder re-quantizes.
         exact_int4 = "int4" in options.precisions and source.kind != "hf" and not options.distill_minutes
         if "int4" in options.precisions:
-            extra_info["int4_weights"] = (int4_weights_note(INT4_ACTIVATIONS[options.int4_activations]) if exact_int4 else
+            extra_info["int4_weights"] = (int4_weights_note(pieces) if exact_int4 else
                                           "re-quantized by onnxruntime-genai's model builder")
         config = model.config
         layers = options.hidden_layers if options.hidden_layers is not None else default_hidden_layers(
@@ -334,7 +342,7 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
                         fp32_dir = scratch / "fp32-for-int4"
                         build_graph(hf_dir, fp32_dir, "fp32", layers, scratch / "builder-fp32.log")
                     counts = rewrite_to_gguf_blocks(fp32_dir / "model.onnx", source.path, stage / rel / "model.onnx",
-                                                    say, pieces=INT4_ACTIVATIONS[options.int4_activations])
+                                                    say, pieces=pieces)
                     extra_info.update({f"int4_{k}": str(v) for k, v in counts.items()})
                 else:
                     say(f"[{next(n)}/{steps}] building the {precision} {options.role} graph (hidden layers "

@@ -178,3 +178,16 @@ def test_int4_from_a_hugging_face_folder_is_re_quantized_and_says_so(tmp_path, t
     assert m.exporter["int4_weights"].startswith("re-quantized") and "int4_matmuls_4bit" not in m.exporter
     with dspark_edge.load(out, "int4") as pipe:
         assert len(pipe.generate("hello", max_new_tokens=4, ignore_eos=True).token_ids) == 4
+
+
+def test_int4_activations_are_refused_where_they_shape_nothing(tmp_path, tiny_hf):
+    """--int4-activations shapes only an int4 graph made from a GGUF's own blocks: without int4,
+    or from a Hugging Face folder (re-quantized), it is refused before anything is written."""
+    with pytest.raises(ExportError, match="add int4 to --precisions"):
+        ExportOptions(source=str(tiny_hf), output=tmp_path / "a", precisions=("fp32",), int4_activations="int8x3")
+    with pytest.raises(ExportError, match="int4 activations must be one of"):
+        ExportOptions(source=str(tiny_hf), output=tmp_path / "a", precisions=("int4",), int4_activations="int9")
+    with pytest.raises(ExportError, match="re-quantized by the model builder"):
+        export_target(ExportOptions(source=str(tiny_hf), output=tmp_path / "b", precisions=("int4",),
+                                    int4_activations="int8x2", validate=False))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
