@@ -95,7 +95,8 @@ def main() -> int:
         gap = abs(float(logits[want[at]] - logits[got[at]])) / float(np.abs(logits).max())
         return {"prompt": prompts[i]["id"], "at": at, "relative_gap": gap, "near_tie": gap < args.tie}
 
-    report = {"engine": [str(e) for e in args.engine] if several else str(args.engine[0]), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+    report = {"engine": [str(e) for e in args.engine] if several else str(args.engine[0]),
+              "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "int4_weights": {e.name: read_manifest(e).exporter.get("int4_weights") for e in args.engine},
               "results": {}}
     for key, rs in rows.items():
