@@ -27,6 +27,10 @@ Precision = Literal["fp32", "fp16", "int8", "int4"]
 Role = Literal["target", "drafter", "draft_model"]
 Backend = Literal["onnxruntime", "tensorrt"]
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
+# exporter[INT4_OUTPUT_KEY] == "fp32": the int4 graph holds the source's own 4-bit blocks and
+# computes at FP32's precision, so its output is the FP32 graph's (export.gguf_blocks); anything
+# else ("approximate") is a re-quantization.
+INT4_OUTPUT_KEY = "int4_output"
 
 
 def check_relative_path(path: str) -> None:
@@ -344,6 +348,19 @@ class Manifest:
     def precisions(self, role: str = "target", backend: str | None = None) -> list[str]:
         present = {v.precision for v in self.variants if v.role == role and backend in (None, v.backend)}
         return [p for p in PRECISIONS if p in present]
+
+    def faithful_precisions(self, backend: str | None = None) -> list[str]:
+        """Target precisions whose output is the model's own: the most precise one exported, and
+        int4 beside FP32 when the exporter says the int4 graph computes FP32's output (the
+        source's own 4-bit blocks, FP32-precision activations). INT8, FP16 beside FP32 and a
+        re-quantized int4 change the output."""
+        present = self.precisions("target", backend)
+        if not present:
+            return []
+        faithful = [present[0]]
+        if present[0] == "fp32" and "int4" in present and self.exporter.get(INT4_OUTPUT_KEY) == "fp32":
+            faithful.append("int4")
+        return faithful
 
     def widths(self, role: str, precision: str, backend: str | None = None) -> tuple[int, ...]:
         return tuple(sorted({v.width for v in self.variants_for(role, precision, backend)}))

@@ -51,7 +51,11 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
          options: BackendOptions | None = None, verify_hashes: bool = True,
          scheduler: SchedulerConfig | bool | None = None, telemetry: Reader | None = None,
          chat_template: str | Path | None = None) -> "Pipeline":
-    """Open an engine folder. ``precision`` defaults to the most precise one exported.
+    """Open an engine folder. ``precision`` defaults to the most precise one exported;
+    "auto" picks, among the precisions whose output is the model's own
+    (``Manifest.faithful_precisions``), the one of the fastest decoding mode raced on this
+    device (``dspark_edge.modes``; with ``drafter="auto"`` that mode's drafter too), else the
+    most precise.
 
     ``drafter``: None (plain decoding), "dspark" / "dspark:<precision>" (the engine folder's
     DSpark drafter), "ngram" (prompt lookup, with the engine folder's corpus n-gram table
@@ -70,10 +74,19 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     """
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
-    precision = precision or (manifest.precisions("target", backend) or [None])[0]
-    if drafter == "auto":
-        drafter = auto_drafter(manifest, precision, backend, (options or BackendOptions()).providers)
-        log.info("drafter 'auto': %s", drafter)
+    providers = (options or BackendOptions()).providers
+    choice = None
+    if precision != "auto":
+        precision = precision or (manifest.precisions("target", backend) or [None])[0]
+    if precision == "auto" or drafter == "auto":
+        from .modes import choose_mode
+
+        choice = choose_mode(manifest, engine_dir, backend, providers, None if precision == "auto" else precision,
+                             drafter if drafter is None or isinstance(drafter, str) else str(drafter))
+        precision = choice.precision
+        if drafter == "auto":
+            drafter = choice.drafter
+        log.info("mode: target %s, drafter %s (%s)", precision, drafter or "none", choice.reason)
     drafter_options = drafter_backend_options(drafter, options)
     verify_role_files(manifest, engine_dir, "target", precision, check_hashes=verify_hashes)
     target = DecoderModel(manifest, engine_dir, precision, backend, options)
@@ -86,6 +99,7 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
                               engine_dir=engine_dir, shared=shared)
 
     pipe = Pipeline(manifest, engine_dir, target, tokenizer, make_drafter())
+    pipe.mode_reason = choice.reason if choice is not None else None
     if isinstance(drafter, (str, Path)):
         pipe._drafter_factory = make_drafter  # batch_slots gives each slot a drafter of its own
     if pipe.drafter is not None:
@@ -112,7 +126,9 @@ def _read_template(path: Path) -> str:
 
 def auto_drafter(manifest: Manifest, precision: str, backend: str = "onnxruntime",
                  providers: Sequence[str] = ("CPUExecutionProvider",)) -> str:
-    """The drafter ``drafter="auto"`` stands for, the fastest exact mode measured: for a target
+    """The rule's drafter for ``precision``: what ``drafter="auto"`` stands for where this
+    device's profile has no raced mode at that precision (``dspark_edge.modes``; a race
+    compares this drafter with plain decoding). The rule: for a target
     above INT8 on the CPU with the engine's INT8 graph at hand, "ngram+self" (ahead of every
     DSpark drafter trained here, in the same runs: docs/performance.md); else the engine
     folder's DSpark drafter when it has one; else "ngram". Self-drafting is CPU-only here: on
@@ -178,6 +194,7 @@ class Pipeline:
         self._shared = shared or _SharedTarget()
         self._streams: weakref.WeakSet = weakref.WeakSet()  # open streams, cancelled by close()
         self.closed = False
+        self.mode_reason: str | None = None  # why load() chose this precision / drafter, when asked to
         self.scheduler: Scheduler | None = None
         self._sampler: Sampler | None = None
         self._telemetry_of: Pipeline | None = None  # a twin reads the telemetry of the pipeline it came from

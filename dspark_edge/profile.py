@@ -50,6 +50,32 @@ class Timing:
 
 
 @dataclass(frozen=True)
+class ModeSpeed:
+    """One decoding mode (target precision, drafter) raced against plain decoding of the most
+    precise target on this device (``dspark_edge.modes.measure_modes``): greedy, the same
+    prompts in turns."""
+    precision: str
+    drafter: str  # a drafter spec, or "none" (plain decoding)
+    tokens_per_s: float  # decode tokens over decode seconds, all prompts together
+    vs_reference: float  # that rate over the most precise target's plain rate, in the same run
+    equal: int  # answers equal to the most precise target's plain answers
+    prompts: int
+    max_new_tokens: int
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.tokens_per_s) and self.tokens_per_s > 0 and math.isfinite(self.vs_reference)
+                and self.vs_reference > 0):
+            raise ValueError(f"impossible speeds {self.tokens_per_s} tok/s, {self.vs_reference}x")
+        if not 0 <= self.equal <= self.prompts or self.prompts < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"impossible counts: {self.equal} equal of {self.prompts} prompts, "
+                             f"{self.max_new_tokens} tokens")
+
+    @property
+    def exact(self) -> bool:
+        return self.equal == self.prompts
+
+
+@dataclass(frozen=True)
 class DeviceProfile:
     schema_version: int
     device_key: str
@@ -62,6 +88,7 @@ class DeviceProfile:
     cpu_other_percent: float
     throttled: bool
     timings: tuple[Timing, ...]
+    modes: tuple[ModeSpeed, ...] = ()  # decoding modes raced end to end (``dspark_edge.modes``)
 
     def verify_ms(self, precision: str, context: int = 256) -> dict[int, float]:
         """Median ms per verify width at the profiled depth nearest ``context``."""
@@ -172,12 +199,15 @@ def _time(fn, warmup: int, reps: int) -> tuple[float, float]:
 
 
 def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512), warmup: int = 3, reps: int = 9,
-                    progress=None, slots: tuple[int, ...] = (2, 4, 8)) -> DeviceProfile:
+                    progress=None, slots: tuple[int, ...] = (2, 4, 8), modes: bool = True,
+                    mode_options=None) -> DeviceProfile:
     """Time every target width and drafter block at each context depth and, for each count in
     ``slots``, the pass cost table T(n) of a server batching that many requests (the slots graph
     the batch runner verifies several requests' drafts with: ``BatchRunner.measure_passes``),
     which ``serve --parallel N`` then reads instead of measuring at start. Slots counts the
-    engine cannot batch (no fused graph, or no ``onnx`` package) are left out with a note."""
+    engine cannot batch (no fused graph, or no ``onnx`` package) are left out with a note.
+    With ``modes``, the decoding modes are raced too (``dspark_edge.modes.measure_modes``, with
+    ``mode_options``), for ``precision="auto"``."""
     from . import __version__
     from .backends import BackendOptions
     from .decoder import DecoderModel
@@ -244,16 +274,52 @@ def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512
                 progress(f"drafter {precision}: " + " ".join(
                     f"b{t.width}@{t.context}={t.median_ms:.1f}" for t in timings if t.role == "drafter"
                     and t.precision == precision) + " ms")
+    raced: tuple[ModeSpeed, ...] = ()
+    if modes:
+        from .modes import measure_modes
+
+        raced = measure_modes(engine_dir, progress=progress, options=mode_options)
+        note()
     key, ident = device_identity()
     import onnxruntime
 
     return DeviceProfile(
-        schema_version=SCHEMA_VERSION, device_key=key, device=ident, engine=manifest.model.name,
+        schema_version=SCHEMA_VERSION, device_key=key, device=ident, engine=manifest.model.name, modes=raced,
         engine_sha256=manifest_sha(engine_dir),
         versions={"dspark-edge": __version__, "onnxruntime": onnxruntime.__version__, "numpy": np.__version__},
         created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         max_temp_c=max(temps) if temps else None, cpu_other_percent=float(np.median(others)) if others else 0.0,
         throttled=throttled, timings=tuple(timings))
+
+
+def profile_with_modes(engine_dir: str | Path, modes: tuple[ModeSpeed, ...], reading,
+                       existing: DeviceProfile | None = None) -> DeviceProfile:
+    """``existing`` (this device's profile of this engine) with its raced modes replaced by
+    ``modes``, or a profile holding the modes alone (the scheduler then measures pass costs at
+    load, as without a profile). ``reading``: the telemetry ``Snapshot`` over the race (its
+    temperature, other processes' load and throttling are recorded with a new profile)."""
+    from dataclasses import replace
+
+    from . import __version__
+
+    if existing is not None:
+        return replace(existing, modes=tuple(modes))
+    import onnxruntime
+
+    key, ident = device_identity()
+    return DeviceProfile(
+        schema_version=SCHEMA_VERSION, device_key=key, device=ident, engine=_engine_name(engine_dir),
+        engine_sha256=manifest_sha(Path(engine_dir)),
+        versions={"dspark-edge": __version__, "onnxruntime": onnxruntime.__version__, "numpy": np.__version__},
+        created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        max_temp_c=reading.max_temp_c, cpu_other_percent=float(reading.cpu_other_percent),
+        throttled=bool(reading.throttling), timings=(), modes=tuple(modes))
+
+
+def _engine_name(engine_dir: str | Path) -> str:
+    from .manifest import read_manifest
+
+    return read_manifest(Path(engine_dir)).model.name
 
 
 def _slots_timings(model, precision: str, counts: tuple[int, ...], reps: int, note, progress) -> list[Timing]:

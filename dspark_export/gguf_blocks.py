@@ -62,6 +62,8 @@ INT4_GGUF_BLOCKS = ("the GGUF's own Q4_1 blocks, FP32 activations; Q8_0 LM head,
 # FP32-activation form); the 8-bit head always takes HEAD_PIECES, FP32's precision.
 INT4_ACTIVATIONS = {"fp32": 1, "int8x2": 2, "int8x3": 3}
 HEAD_PIECES = 3
+# Piece counts at FP32's precision: FP32 activations themselves, or three int8 pieces (above).
+FP32_PIECES = (1, 3)
 
 
 def int4_weights_note(pieces: int) -> str:

@@ -22,13 +22,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dspark_edge.errors import ExportError
-from dspark_edge.manifest import (GraphIO, Manifest, ModelInfo, SCHEMA_VERSION, Variant, file_entry,
-                                  write_manifest)
+from dspark_edge.manifest import (INT4_OUTPUT_KEY, GraphIO, Manifest, ModelInfo, SCHEMA_VERSION, Variant,
+                                  file_entry, write_manifest)
 
 from .atomic import publish, staging
 from .atomic import scratch as scratch_dir
 from .embedding_table import separate_embedding_table
-from .gguf_blocks import INT4_ACTIVATIONS, int4_weights_note, rewrite_to_gguf_blocks
+from .gguf_blocks import FP32_PIECES, INT4_ACTIVATIONS, int4_weights_note, rewrite_to_gguf_blocks
 from .portable import PORTABLE_IO, PORTABLE_PRECISIONS
 from .sources import Source, load_source, resolve_source, source_digest
 
@@ -314,6 +314,8 @@ def export_target(options: ExportOptions, progress: Progress | None = None) -> M
         if "int4" in options.precisions:
             extra_info["int4_weights"] = (int4_weights_note(pieces) if exact_int4 else
                                           "re-quantized by onnxruntime-genai's model builder")
+            # The runtime's precision="auto" may pick int4 only where this says its output is FP32's.
+            extra_info[INT4_OUTPUT_KEY] = "fp32" if exact_int4 and pieces in FP32_PIECES else "approximate"
         config = model.config
         layers = options.hidden_layers if options.hidden_layers is not None else default_hidden_layers(
             config.num_hidden_layers)

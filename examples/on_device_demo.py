@@ -10,12 +10,16 @@ The answer streams with the tokens that came from accepted drafts underlined in 
 panel, updated every round, shows the variant in use (verify width, precision), the drafts'
 calibrated confidences, the accepted length, speed, free memory and RSS, temperature and
 throttling, CPU (and GPU) load, and what the confidence scheduler chose and why, with its
-latest switches (hot, parked, probing, gate). It decodes with the drafter `--drafter auto`
-picks: for an FP32 target on the CPU (a --race, or --precision fp32), the model-free n-gram
-drafter with the engine's INT8 graph drafting beside it (`ngram+self`, the fastest exact mode
-measured); else the engine's DSpark drafter when it has one; else (the INT8 target, the default
-outside a race) the n-gram drafter alone (prompt lookup plus the engine's corpus table of the target's habitual continuations, when
-the folder has one). --drafter none decodes plainly. When stdout is not a terminal (or `rich`
+latest switches (hot, parked, probing, gate). It decodes in the mode `--precision auto` and
+`--drafter auto` pick: of the target precisions whose output is the model's own (the most precise,
+and an int4 graph made from a GGUF's own 4-bit blocks), plainly or with the drafter the rule
+names for each (`ngram+self` for a target above INT8 on the CPU: n-gram lookup with the engine's
+INT8 graph drafting beside it; else the engine's DSpark drafter; else n-gram lookup), the
+fastest mode raced on this device. The race runs once, first, when the engine has two such
+precisions and this device's profile has none (`python -m dspark_edge profile --modes-only`
+runs it again); the panel's "mode" line says why the mode was chosen. --race compares plain
+and speculative decoding of the most precise target (or --precision); --drafter none decodes
+plainly. When stdout is not a terminal (or `rich`
 is missing) it prints plain lines.
 
 --race decodes the same prompt plainly and speculatively in turns (whichever has used less
@@ -38,6 +42,7 @@ from dspark_edge.metrics import TraceWriter
 from dspark_edge.paths import output_file
 from dspark_edge.drafters import spec as drafter_spec
 from dspark_edge.drafters.spec import own_model
+from dspark_edge.modes import needs_race, race_and_save
 from dspark_edge.tokenizer import IncrementalDecoder
 
 DEFAULT_ENGINE = Path(__file__).resolve().parent.parent / "engines" / "smollm2-135m"
@@ -139,6 +144,7 @@ def status_fields(run: Run) -> list[tuple[str, str]]:
         ("model", f"{pipe.manifest.model.name} · drafter {drafter}"),
         ("variant", f"target {t.precision} · verify width {last.width if last else 1} "
                     f"(listed {', '.join(map(str, t.widths))})"),
+        ("mode", pipe.mode_reason or "as asked"),
         ("confidence", " ".join(f"{c:.2f}" for c in last.confidence) if last and last.confidence else "—"),
         ("accepted", (f"{last.accepted}/{last.drafted} this round · "
                       f"{last.accepted_total}/{last.draft_n_total} "
@@ -258,10 +264,12 @@ def run_prompt(pipe, prompt, cfg, live: bool, race: bool) -> Run:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default=str(DEFAULT_ENGINE), help="engine folder (default: %(default)s)")
-    ap.add_argument("--precision", default=None,
-                    help="target precision (default: the most precise exported, as in `python -m dspark_edge`; "
-                         "INT8 decodes faster but is not the model's own output, and its width-dependent rounding "
-                         "makes speculative INT8 output drift from plain INT8 output)")
+    ap.add_argument("--precision", default="auto",
+                    help="target precision; 'auto' (default, as in `python -m dspark_edge generate`): of the "
+                         "precisions whose output is the model's own, the one of the fastest mode raced on this "
+                         "device (raced once, first); with --race, the most precise. INT8 decodes faster but is "
+                         "not the model's own output, and its width-dependent rounding makes speculative INT8 "
+                         "output drift from plain INT8 output")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question (default: %(default)r)")
     ap.add_argument("--drafter", default=None,
                     help=f"'auto' (default) or another drafter: {drafter_spec.describe()}")
@@ -300,11 +308,21 @@ def main() -> int:
         manifest = dspark_edge.read_manifest(args.engine)
         providers = tuple(p for p in args.providers.split(",") if p)
         drafter = args.drafter or "auto"
-        # The same defaults as `python -m dspark_edge`: the most precise target, drafter "auto".
-        precision = args.precision
+        # The same defaults as `python -m dspark_edge generate`: precision and drafter "auto". A race
+        # compares plain and speculative decoding of one target: the most precise, unless named.
+        precision = None if args.race and args.precision == "auto" else args.precision
         if args.race and drafter == "none":
             raise dspark_edge.ConfigError("--race compares plain and speculative decoding: give a drafter, "
                                           "not --drafter none")
+        if precision == "auto" and args.backend == "onnxruntime" and needs_race(manifest, args.engine,
+                                                                                providers=providers):
+            print(f"[demo] racing the exact decoding modes of {args.engine} on this device, once (about a "
+                  "minute): each precision whose output is the model's own, plainly and with its drafter",
+                  file=sys.stderr, flush=True)
+            where = race_and_save(args.engine, progress=lambda m: print(f"[demo] {m}", file=sys.stderr, flush=True),
+                                  options=dspark_edge.BackendOptions(shared_threads=True))  # this process is the demo's
+            print(f"[demo] kept in {where}; `python -m dspark_edge profile --engine {args.engine} --modes-only` "
+                  "races again", file=sys.stderr, flush=True)
         # A drafter with a graph of its own shares the target's thread pool (BackendOptions.shared_threads).
         options = dspark_edge.BackendOptions(providers=providers,
                                              shared_threads=own_model(drafter))

@@ -8,8 +8,9 @@ bash scripts/env.sh
 py=${DSPARK_VENV:-$root/.venv}/bin/python
 engine=${DSPARK_ENGINE:-engines/smollm2-135m}
 if [ ! -f "$engine/manifest.json" ]; then
-  echo "[demo] exporting the embedded default model to $engine (about 2 minutes)" >&2
-  "$py" -m export target --source default --output "$engine" --precisions fp32,int8
+  # int4 from the GGUF's own blocks computes FP32's output; --precision auto races it against FP32.
+  echo "[demo] exporting the embedded default model to $engine (about 3 minutes)" >&2
+  "$py" -m export target --source default --output "$engine" --precisions fp32,int8,int4
 fi
 weights=${DSPARK_DRAFTER_WEIGHTS:-drafters/smollm2-135m}
 if [ -f "$weights/drafter.json" ] && ! "$py" -c "import sys, dspark_edge; sys.exit(dspark_edge.read_manifest('$engine').drafter is None)"; then

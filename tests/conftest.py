@@ -61,6 +61,7 @@ def default_engine(tmp_path_factory) -> Path:
     own blocks), default widths."""
     from dspark_export import ExportOptions, export_target
     from dspark_export.gguf_blocks import INT4_GGUF_BLOCKS
+    from dspark_edge.manifest import INT4_OUTPUT_KEY
     from dspark_export.sources import default_gguf_path, source_digest, resolve_source
 
     try:
@@ -73,7 +74,8 @@ def default_engine(tmp_path_factory) -> Path:
 
         m = read_manifest(out)
         if m.model.source_sha256 == source_digest(resolve_source("default")) and \
-                {"int8", "int4"} <= set(m.precisions("target")) and m.exporter.get("int4_weights") == INT4_GGUF_BLOCKS:
+                {"int8", "int4"} <= set(m.precisions("target")) and m.exporter.get("int4_weights") == INT4_GGUF_BLOCKS \
+                and m.exporter.get(INT4_OUTPUT_KEY) == "fp32":
             return out
     export_target(ExportOptions(source="default", output=out, precisions=("fp32", "int8", "int4"), overwrite=True))
     return out

@@ -159,6 +159,9 @@ def test_measure_profile_on_the_tiny_engine(tiny_engine):
             table = prof.slots_ms(p, slots)
             assert min(table) == slots and max(table) == 4 * slots and all(ms > 0 for ms in table.values())
     assert prof.slots_ms("fp32", 3) == {}
+    # The modes whose output is the model's own, raced: the tiny engine's FP32, plainly and with its drafter.
+    assert [(m.precision, m.drafter) for m in prof.modes] == [("fp32", "none"), ("fp32", "ngram+self")]
+    assert prof.modes[0].vs_reference == 1.0 and all(m.exact for m in prof.modes)
 
 
 def test_implausible_readings_are_ignored_with_a_warning(caplog):

@@ -17,7 +17,7 @@ def register(sub) -> None:
                        description="Chat with the model: each line you type is a user message; the answer streams "
                                    "back. Commands: /reset clears the history, /stats shows the last answer's "
                                    "statistics.")
-    engine_args(c)
+    engine_args(c, auto_precision=True)
     c.add_argument("--system", default=None, help="system message")
     generation_args(c, 512)
     c.add_argument("--json", action="store_true", help="print one JSON object per answer instead of text")

@@ -14,7 +14,7 @@ from .options import Outputs, check_outputs, engine_args, generation_args, gener
 def register(sub) -> None:
     """Add the ``generate`` command to the subparsers ``sub``."""
     g = sub.add_parser("generate", help="generate text for one prompt, streaming it to stdout")
-    engine_args(g)
+    engine_args(g, auto_precision=True)
     g.add_argument("prompt", nargs="?", default=None,
                    help="the prompt (sent through the chat template unless --raw); '-' reads it from stdin")
     g.add_argument("-f", "--prompt-file", default=None, metavar="FILE", help="read the prompt from FILE (UTF-8)")

@@ -12,11 +12,19 @@ from ..config import GenerationConfig
 from ..drafters import spec as drafter_spec
 
 
-def engine_args(p: argparse.ArgumentParser) -> None:
+def engine_args(p: argparse.ArgumentParser, auto_precision: bool = False) -> None:
+    """``auto_precision``: the command decodes, and ``--precision`` defaults to "auto"."""
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="log details to stderr (also accepted before the command)")
     p.add_argument("--engine", required=True, help="engine folder written by `python -m export target`")
-    p.add_argument("--precision", default=None, help="target precision to load (default: the most precise exported)")
+    if auto_precision:
+        p.add_argument("--precision", default="auto",
+                       help="target precision to load; 'auto' (default): of the precisions whose output is the "
+                            "model's own (the most precise, and an int4 graph made from a GGUF's own blocks), the "
+                            "one of the fastest mode raced on this device (`profile --modes-only`), else the "
+                            "most precise")
+    else:
+        p.add_argument("--precision", default=None, help="target precision to load (default: the most precise exported)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: onnxruntime's choice)")
     p.add_argument("--max-context", type=int, default=2048, help="KV cache size in tokens (default: %(default)s)")
     p.add_argument("--no-verify-hashes", action="store_true", help="check file sizes only, not sha256 (faster start)")
@@ -95,7 +103,9 @@ def load_engine(args, drafter=None, shared_threads: bool = False):
     import time
 
     t0 = time.perf_counter()
-    print(f"[load] {args.engine}: target {args.precision or 'at its most precise'}, drafter {drafter or 'none'}"
+    wanted = {None: "at its most precise", "auto": "auto (the fastest exact mode raced here)"}.get(args.precision,
+                                                                                               args.precision)
+    print(f"[load] {args.engine}: target {wanted}, drafter {drafter or 'none'}"
           f"{'' if args.no_verify_hashes else ', checking file hashes'}", file=sys.stderr, flush=True)
     pipe = load(args.engine, args.precision, drafter=drafter, backend=args.backend, options=options,
                 verify_hashes=not args.no_verify_hashes, scheduler=scheduler_config(args),

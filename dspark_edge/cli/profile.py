@@ -12,7 +12,8 @@ def register(sub) -> None:
     pr = sub.add_parser("profile", help="measure this device's cost of every variant of an engine",
                         description="Time the target at every verify width and the drafter at every block size "
                                     "(warm-up, median of repeats, at several context depths), and the pass cost "
-                                    "table of a server batching --slots requests, and write "
+                                    "table of a server batching --slots requests, race the decoding modes whose "
+                                    "output is the model's own (for --precision auto), and write "
                                     "<device-key>.json to the user's profile folder (or --output-dir / "
                                     "DSPARK_PROFILES), which the scheduler loads automatically.")
     pr.add_argument("--engine", required=True, help="engine folder to profile")
@@ -25,6 +26,12 @@ def register(sub) -> None:
     pr.add_argument("--output-dir", default=None, help="where to write (default: DSPARK_PROFILES, else the user's profile folder, "
                         "~/.local/share/dspark_edge/profiles)")
     pr.add_argument("--json", action="store_true", help="print the profile as JSON")
+    modes = pr.add_mutually_exclusive_group()
+    modes.add_argument("--modes-only", action="store_true",
+                       help="only race the decoding modes whose output is the model's own (each such precision, "
+                            "plainly and with its drafter), for --precision auto; the profile's other timings "
+                            "are kept (about a minute)")
+    modes.add_argument("--no-modes", action="store_true", help="time the variants but do not race the modes")
 
 
 def cmd_profile(args) -> int:
@@ -51,9 +58,23 @@ def cmd_profile(args) -> int:
         from ..paths import output_dir
 
         output_dir(args.output_dir, "profile folder")  # before measuring, not after
-    prof = measure_profile(args.engine, contexts=contexts, reps=args.repeats, slots=slots,
-                           progress=lambda m: print(f"[profile] {m}", file=sys.stderr, flush=True))
-    path = save_profile(prof, Path(args.output_dir) if args.output_dir else None)
+    say = lambda m: print(f"[profile] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    folder = Path(args.output_dir) if args.output_dir else None
+    # The modes race on the process-wide pool, as the command line decodes, only when the process is
+    # the command's own (the pool is for good; see load_engine).
+    from ..backends import BackendOptions
+
+    mode_options = BackendOptions(shared_threads=True) if getattr(args, "own_process", False) else None
+    if args.modes_only:
+        from ..modes import race_and_save
+        from ..profile import read_profile
+
+        path = race_and_save(args.engine, progress=say, folder=folder, options=mode_options)
+        prof = read_profile(path)
+    else:
+        prof = measure_profile(args.engine, contexts=contexts, reps=args.repeats, slots=slots, progress=say,
+                               modes=not args.no_modes, mode_options=mode_options)
+        path = save_profile(prof, folder)
     if args.json:
         print(json.dumps(to_json_dict(prof), indent=1))
     print(f"[profile] wrote {path} (device {prof.device_key}; max temp {prof.max_temp_c}, "

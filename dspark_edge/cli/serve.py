@@ -18,7 +18,7 @@ def register(sub) -> None:
                                    "or not), /v1/models, /health, /metrics. Requests are answered in arrival "
                                    "order, one at a time exactly as `generate` answers them, or --parallel N at "
                                    "once with their target passes batched.")
-    engine_args(s)
+    engine_args(s, auto_precision=True)
     s.add_argument("--drafter", default="auto", help="the drafter, as for generate (default: %(default)s)")
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the engine folder's")

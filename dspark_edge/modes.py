@@ -1,0 +1,201 @@
+"""Decoding modes raced on this device, and the choice ``precision="auto"`` makes among them.
+
+A mode is a target precision and a drafter. Only *faithful* precisions take part
+(``Manifest.faithful_precisions``: the most precise target, and an int4 graph that holds the
+source's own 4-bit blocks at FP32's precision), with plain decoding and the drafter
+``auto_drafter`` names for each. ``measure_modes`` decodes the same prompts greedily in every
+mode in turn (the order rotating from prompt to prompt, so the machine's drift lands on all
+alike) and records each mode's decode rate, its ratio to the most precise target's plain rate
+in the same run, and how many of its answers equal that target's plain answers. The results go
+into this device's profile (``DeviceProfile.modes``).
+
+``choose_mode`` picks the fastest mode whose answers all equal the reference's; without a
+profile that has raced modes it falls back on the rule (the most precise target with
+``auto_drafter``'s drafter), which is what the runtime did before modes were measured. Which
+mode wins depends on the CPU (the INT4 kernels' speed against FP32's varies by instruction set
+and memory bandwidth), so the choice is measured per device rather than fixed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .errors import ConfigError
+from .profile import ModeSpeed
+
+log = logging.getLogger(__name__)
+
+RACE_PROMPTS = 6  # prompts of the project's benchmark set a race decodes
+RACE_TOKENS = 48  # tokens per answer
+
+
+@dataclass(frozen=True)
+class ModeChoice:
+    precision: str
+    drafter: str | None  # None: plain decoding
+    reason: str
+
+
+def candidate_modes(manifest, backend: str = "onnxruntime",
+                    providers: Sequence[str] = ("CPUExecutionProvider",)) -> list[tuple[str, str | None]]:
+    """(precision, drafter) pairs a race compares: every faithful precision, plainly and with
+    the drafter ``auto_drafter`` names for it."""
+    from .pipeline import auto_drafter
+
+    modes: list[tuple[str, str | None]] = []
+    for precision in manifest.faithful_precisions(backend):
+        modes.append((precision, None))
+        drafter = auto_drafter(manifest, precision, backend, providers)
+        if drafter is not None:
+            modes.append((precision, drafter))
+    return modes
+
+
+def measure_modes(engine_dir: str | Path, prompts: list[dict] | None = None, max_new_tokens: int = RACE_TOKENS,
+                  progress: Callable[[str], None] | None = None, options=None) -> tuple[ModeSpeed, ...]:
+    """Race the engine's candidate modes on the CPU (``candidate_modes``), greedily, over
+    ``prompts`` (default: the first ``RACE_PROMPTS`` of the project's benchmark set), each
+    answer exactly ``max_new_tokens`` long. The first mode is the reference: the most precise
+    target decoding plainly.
+
+    ``options``: the backend options of every mode (default: sessions with pools of their own
+    that do not spin, so the modes' sessions take turns on the cores without spinning against
+    each other). A program that is the race's own process passes
+    ``BackendOptions(shared_threads=True)``: the process-wide pool, as the command line decodes
+    with a drafter that has a graph of its own (once that pool exists, onnxruntime refuses
+    sessions with pools of their own in the process; this package's sessions then join it)."""
+    from .backends import BackendOptions
+    from .bench import load_prompts
+    from .config import GenerationConfig
+    from .manifest import read_manifest
+    from .pipeline import load
+
+    if max_new_tokens < 2:
+        raise ConfigError(f"a mode race needs answers of 2 tokens or more, got {max_new_tokens}")
+    engine_dir = Path(engine_dir)
+    manifest = read_manifest(engine_dir)
+    prompts = prompts if prompts is not None else load_prompts()[:RACE_PROMPTS]
+    if not prompts:
+        raise ConfigError("a mode race needs at least one prompt")
+    modes = candidate_modes(manifest)
+    if not modes:
+        raise ConfigError(f"{engine_dir} has no onnxruntime target to race")
+    # One process-wide thread pool: the modes' sessions take turns on the same cores without
+    # spinning against each other (as `python -m dspark_edge bench` runs them).
+    # Without spinning also where this onnxruntime cannot share a pool (each session then has its own).
+    options = replace(options, allow_spinning=False) if options is not None else BackendOptions(allow_spinning=False)
+    pipes = []
+    for precision, drafter in modes:
+        pipes.append(load(engine_dir, precision, drafter=drafter, options=options))
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
+    warm = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    try:
+        for pipe in pipes:  # untimed: first-run allocations and kernel selection
+            pipe.generate(_prompt_of(prompts[0]), warm)
+        tokens = [0] * len(modes)
+        seconds = [0.0] * len(modes)
+        answers: list[list[tuple[int, ...]]] = [[] for _ in modes]
+        for n, rec in enumerate(prompts):
+            order = [(n + i) % len(modes) for i in range(len(modes))]
+            for i in order:
+                r = pipes[i].generate(_prompt_of(rec), cfg)
+                tokens[i] += r.stats.new_tokens - 1  # the prefill's token is not decoded
+                seconds[i] += r.stats.decode_s
+                answers[i].append(tuple(r.token_ids))
+            if progress:
+                progress(f"race: prompt {n + 1}/{len(prompts)}")
+    finally:
+        for pipe in pipes:
+            pipe.close()
+    rates = [t / s if s > 0 else 0.0 for t, s in zip(tokens, seconds)]
+    if min(rates) <= 0:
+        raise ConfigError("a mode race measured no decode time; give longer answers")
+    out = []
+    for i, (precision, drafter) in enumerate(modes):
+        equal = sum(a == b for a, b in zip(answers[i], answers[0]))
+        out.append(ModeSpeed(precision, drafter or "none", round(rates[i], 2), round(rates[i] / rates[0], 4), equal,
+                             len(prompts), max_new_tokens))
+        if progress:
+            progress(f"{precision} + {drafter or 'plain'}: {rates[i]:.1f} tok/s, {rates[i] / rates[0]:.2f}x "
+                     f"{modes[0][0]} plain, {equal}/{len(prompts)} answers equal to it")
+    return tuple(out)
+
+
+def _prompt_of(rec: dict):
+    return rec.get("messages") or rec["prompt"]
+
+
+def choose_mode(manifest, engine_dir: str | Path, backend: str = "onnxruntime",
+                providers: Sequence[str] = ("CPUExecutionProvider",), precision: str | None = None,
+                drafter: str | None = "auto") -> ModeChoice:
+    """The mode to decode in: among this device's raced modes at a faithful precision whose
+    answers all equalled the reference's (at ``precision`` only, when given; with ``drafter``
+    only, unless it is "auto"), the fastest; else the rule: ``precision`` or the most precise
+    target, with ``auto_drafter``'s drafter (or ``drafter``)."""
+    from .pipeline import auto_drafter
+    from .profile import load_profile
+
+    faithful = manifest.faithful_precisions(backend)
+    on_cpu = backend == "onnxruntime" and tuple(providers) == ("CPUExecutionProvider",)
+    pool = [precision] if precision is not None else faithful
+    why = "no decoding modes raced on this device"
+    if on_cpu and pool:
+        profile, status = load_profile(engine_dir)
+        if profile is not None and status in ("ok", "throttled") and profile.modes:
+            wanted = None if drafter == "auto" else (drafter or "none")
+            runs = [m for m in profile.modes if m.precision in pool and m.precision in faithful and m.exact
+                    and (wanted is None or m.drafter == wanted)]
+            if runs:
+                best = max(runs, key=lambda m: m.tokens_per_s)
+                return ModeChoice(best.precision, None if best.drafter == "none" else best.drafter,
+                                  f"the fastest exact mode raced on this device: {best.tokens_per_s:.1f} tok/s, "
+                                  f"{best.vs_reference:.2f}x plain {faithful[0]} ({best.equal}/{best.prompts} "
+                                  f"answers equal)")
+            why = "no raced mode matches"
+        elif profile is not None and status not in ("ok", "throttled"):
+            why = f"this device's profile is {status}"
+    chosen = precision or (faithful[0] if faithful else (manifest.precisions("target", backend) or [None])[0])
+    if chosen is None:
+        raise ConfigError("the engine has no target for this backend")
+    pick = auto_drafter(manifest, chosen, backend, providers) if drafter == "auto" else drafter
+    return ModeChoice(chosen, pick, f"{why}: the most precise target with the rule's drafter (race them: "
+                                    f"`python -m dspark_edge profile --engine {engine_dir} --modes-only`)")
+
+
+def needs_race(manifest, engine_dir: str | Path, backend: str = "onnxruntime",
+               providers: Sequence[str] = ("CPUExecutionProvider",)) -> bool:
+    """Whether ``precision="auto"`` has a choice to make that this device has not raced yet: the
+    engine has more than one faithful precision, runs on the CPU, and this device's profile of
+    this engine holds no raced modes."""
+    from .profile import load_profile
+
+    if backend != "onnxruntime" or tuple(providers) != ("CPUExecutionProvider",):
+        return False
+    if len(manifest.faithful_precisions(backend)) < 2:
+        return False
+    profile, status = load_profile(engine_dir)
+    return profile is None or status not in ("ok", "throttled") or not profile.modes
+
+
+def race_and_save(engine_dir: str | Path, progress: Callable[[str], None] | None = None,
+                  folder: Path | None = None, options=None) -> Path:
+    """Race the engine's modes (``measure_modes`` with ``options``) and keep them in this
+    device's profile (its other timings kept when they are for this engine). Returns the
+    profile's path."""
+    from .profile import load_profile, profile_with_modes, save_profile
+    from .telemetry import SystemReader
+
+    t0 = time.perf_counter()
+    reader = SystemReader()
+    reader.read()  # the next reading's load is over the race
+    modes = measure_modes(engine_dir, progress=progress, options=options)
+    reading = reader.read()
+    existing, status = load_profile(engine_dir, folder)
+    keep = existing if existing is not None and status in ("ok", "throttled") else None
+    path = save_profile(profile_with_modes(engine_dir, modes, reading, keep), folder)
+    log.info("raced %d decoding modes in %.0f s; kept in %s", len(modes), time.perf_counter() - t0, path)
+    return path

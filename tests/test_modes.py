@@ -1,0 +1,162 @@
+"""Decoding modes raced per device and the choice ``precision="auto"`` makes among them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import dspark_edge
+from dspark_edge.manifest import INT4_OUTPUT_KEY, read_manifest
+from dspark_edge.modes import candidate_modes, choose_mode, measure_modes, needs_race, race_and_save
+from dspark_edge.profile import ModeSpeed, device_identity, load_profile, manifest_sha, profile_with_modes, save_profile
+from dspark_edge.telemetry import Snapshot
+
+PROMPTS = [{"id": "a", "category": "t", "prompt": "The quick brown fox"},
+           {"id": "b", "category": "t", "messages": [{"role": "user", "content": "Count to five."}]}]
+
+
+def _with_int4(tiny_engine, tmp_path, output: str | None = "fp32"):
+    """A copy of the tiny engine whose manifest lists int4 variants (the FP32 graph under that
+    name: the choice's mechanics, not int4's kernels) and says what their output is."""
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine, engine)
+    data = json.loads((engine / "manifest.json").read_text())
+    data["variants"] += [{**v, "precision": "int4"} for v in data["variants"]
+                         if v["role"] == "target" and v["precision"] == "fp32"]
+    if output is not None:
+        data["exporter"][INT4_OUTPUT_KEY] = output
+    (engine / "manifest.json").write_text(json.dumps(data))
+    return engine
+
+
+@pytest.fixture
+def profiles(tmp_path, monkeypatch):
+    folder = tmp_path / "profiles"
+    monkeypatch.setenv("DSPARK_PROFILES", str(folder))
+    return folder
+
+
+def _save_modes(engine, folder, modes, sha=None):
+    prof = profile_with_modes(engine, tuple(modes), Snapshot(t=0.0, mem_total_mb=1.0, mem_available_mb=1.0))
+    if sha is not None:
+        prof = dspark_edge.profile.DeviceProfile(**{**prof.__dict__, "engine_sha256": sha})
+    return save_profile(prof, folder)
+
+
+def test_faithful_precisions_are_the_most_precise_and_an_int4_that_computes_fp32s_output(tiny_engine, tmp_path):
+    assert read_manifest(tiny_engine).faithful_precisions() == ["fp32"]  # INT8 re-quantizes
+    assert read_manifest(_with_int4(tiny_engine, tmp_path / "a")).faithful_precisions() == ["fp32", "int4"]
+    assert read_manifest(_with_int4(tiny_engine, tmp_path / "b", "approximate")).faithful_precisions() == ["fp32"]
+    assert read_manifest(_with_int4(tiny_engine, tmp_path / "c", None)).faithful_precisions() == ["fp32"]
+    assert candidate_modes(read_manifest(_with_int4(tiny_engine, tmp_path / "d"))) == [
+        ("fp32", None), ("fp32", "ngram+self"), ("int4", None), ("int4", "ngram+self")]
+
+
+def test_a_race_times_every_candidate_mode_against_the_most_precise_plain(tiny_engine, tmp_path):
+    engine = _with_int4(tiny_engine, tmp_path)
+    seen = []
+    modes = measure_modes(engine, prompts=PROMPTS, max_new_tokens=8, progress=seen.append)
+    assert [(m.precision, m.drafter) for m in modes] == [
+        ("fp32", "none"), ("fp32", "ngram+self"), ("int4", "none"), ("int4", "ngram+self")]
+    assert modes[0].vs_reference == 1.0
+    assert all(m.tokens_per_s > 0 and m.prompts == 2 and m.max_new_tokens == 8 for m in modes)
+    # Speculation is lossless and this "int4" is the FP32 graph: every answer equals the reference's.
+    assert all(m.exact for m in modes)
+    assert any("2/2 answers equal" in line for line in seen)
+    with pytest.raises(dspark_edge.ConfigError, match="2 tokens or more"):
+        measure_modes(engine, prompts=PROMPTS, max_new_tokens=1)
+
+
+def test_auto_takes_the_fastest_mode_whose_answers_all_equal_the_reference(tiny_engine, tmp_path, profiles):
+    engine = _with_int4(tiny_engine, tmp_path)
+    m = read_manifest(engine)
+    assert choose_mode(m, engine).reason.startswith("no decoding modes raced")
+    assert needs_race(m, engine) and not needs_race(read_manifest(tiny_engine), tiny_engine)
+    _save_modes(engine, profiles, [
+        ModeSpeed("fp32", "none", 10.0, 1.0, 2, 2, 8),
+        ModeSpeed("fp32", "ngram+self", 14.0, 1.4, 2, 2, 8),
+        ModeSpeed("int4", "none", 30.0, 3.0, 1, 2, 8),  # fastest, but one answer differed: never chosen
+        ModeSpeed("int4", "ngram+self", 20.0, 2.0, 2, 2, 8),
+        ModeSpeed("int8", "none", 90.0, 9.0, 2, 2, 8)])  # not a faithful precision: never chosen
+    assert not needs_race(m, engine)
+    with dspark_edge.load(engine, "auto", drafter="auto") as pipe:
+        assert pipe.target.precision == "int4" and pipe.drafter.name.startswith("ngram+self")
+        assert "fastest exact mode raced" in pipe.mode_reason and "20.0 tok/s" in pipe.mode_reason
+    with dspark_edge.load(engine, "fp32", drafter="auto") as pipe:  # a named precision: its best mode
+        assert pipe.target.precision == "fp32" and pipe.drafter.name.startswith("ngram+self")
+    with dspark_edge.load(engine, "auto") as pipe:  # plain decoding asked for: the fastest exact plain mode
+        assert pipe.target.precision == "fp32" and pipe.drafter is None
+    with dspark_edge.load(engine, "auto", drafter="ngram") as pipe:  # a drafter never raced: the most precise
+        assert pipe.target.precision == "fp32" and pipe.drafter.name.startswith("ngram")
+    with dspark_edge.load(engine) as pipe:  # nothing asked: the most precise, plainly, no choice made
+        assert pipe.target.precision == "fp32" and pipe.drafter is None and pipe.mode_reason is None
+    _save_modes(engine, profiles, [ModeSpeed("int4", "none", 30.0, 3.0, 2, 2, 8)], sha="0" * 64)
+    assert load_profile(engine)[1] == "stale" and needs_race(m, engine)
+    choice = choose_mode(m, engine)  # the engine changed since the race: the rule
+    assert (choice.precision, choice.drafter) == ("fp32", "ngram+self") and "stale" in choice.reason
+
+
+def test_an_int4_that_does_not_compute_fp32s_output_is_never_chosen(tiny_engine, tmp_path, profiles):
+    engine = _with_int4(tiny_engine, tmp_path, "approximate")
+    _save_modes(engine, profiles, [ModeSpeed("fp32", "none", 10.0, 1.0, 2, 2, 8),
+                                   ModeSpeed("int4", "none", 30.0, 3.0, 2, 2, 8)])
+    choice = choose_mode(read_manifest(engine), engine, drafter=None)
+    assert (choice.precision, choice.drafter) == ("fp32", None)
+
+
+def test_profiles_without_modes_load_and_impossible_modes_are_refused(tiny_engine, tmp_path, profiles):
+    path = _save_modes(tiny_engine, profiles, [ModeSpeed("fp32", "none", 10.0, 1.0, 2, 2, 8)])
+    data = json.loads(path.read_text())
+    del data["modes"]  # a profile written before modes were raced
+    path.write_text(json.dumps(data))
+    prof, status = load_profile(tiny_engine)
+    assert status == "ok" and prof.modes == ()
+    for bad in ({"equal": 3}, {"tokens_per_s": -1.0}, {"vs_reference": float("nan")}, {"prompts": 0, "equal": 0}):
+        row = {"precision": "fp32", "drafter": "none", "tokens_per_s": 10.0, "vs_reference": 1.0, "equal": 2,
+               "prompts": 2, "max_new_tokens": 8, **bad}
+        path.write_text(json.dumps({**data, "modes": [row]}))
+        assert load_profile(tiny_engine)[1] == "corrupt", bad
+
+
+def test_race_and_save_keeps_the_profiles_other_timings(tiny_engine, tmp_path, profiles):
+    from dspark_edge.profile import Timing
+
+    engine = _with_int4(tiny_engine, tmp_path)
+    key, ident = device_identity()
+    timed = dspark_edge.profile.DeviceProfile(
+        schema_version=1, device_key=key, device=ident, engine="tiny", engine_sha256=manifest_sha(engine),
+        versions={}, created_utc="now", max_temp_c=None, cpu_other_percent=0.0, throttled=False,
+        timings=(Timing("target", "fp32", 1, 64, 1.0, 1.1),))
+    save_profile(timed, profiles)
+    race_and_save(engine, folder=profiles)
+    prof, status = load_profile(engine)
+    assert status == "ok" and prof.timings == timed.timings and len(prof.modes) == 4
+
+
+def test_the_profile_command_races_the_modes_only(tiny_engine, tmp_path, profiles, capsys):
+    from dspark_edge.cli import main
+
+    engine = _with_int4(tiny_engine, tmp_path)
+    assert main(["profile", "--engine", str(engine), "--modes-only", "--output-dir", str(profiles)]) == 0
+    err = capsys.readouterr().err
+    assert "int4 + plain:" in err and "answers equal to it" in err
+    prof, status = load_profile(engine)
+    assert status == "ok" and len(prof.modes) == 4 and prof.timings == ()
+    assert main(["generate", "--engine", str(engine), "--raw", "The quick brown", "--max-new-tokens", "4"]) == 0
+    best = max((m for m in prof.modes if m.exact), key=lambda m: m.tokens_per_s)
+    ready = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("[load] ready"))
+    assert f"target {best.precision}, drafter {best.drafter}" in ready.replace("ngram+self:int8", "ngram+self")
+
+
+@pytest.mark.slow
+def test_the_default_models_int4_answers_equal_fp32s_in_a_race(default_engine):
+    """The embedded default's int4 graph (the GGUF's own blocks) races as a faithful precision,
+    and its answers, plain and speculative, equal FP32's plain answers."""
+    m = read_manifest(default_engine)
+    assert m.faithful_precisions() == ["fp32", "int4"]
+    modes = measure_modes(default_engine, max_new_tokens=24, prompts=dspark_edge.bench.load_prompts()[:3])
+    assert {(x.precision, x.drafter) for x in modes} == {("fp32", "none"), ("fp32", "ngram+self"),
+                                                        ("int4", "none"), ("int4", "ngram+self")}
+    assert all(x.exact for x in modes), modes
