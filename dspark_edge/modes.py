@@ -184,7 +184,7 @@ def needs_race(manifest, engine_dir: str | Path, backend: str = "onnxruntime",
 def race_and_save(engine_dir: str | Path, progress: Callable[[str], None] | None = None,
                   folder: Path | None = None, options=None) -> Path:
     """Race the engine's modes (``measure_modes`` with ``options``) and keep them in this
-    device's profile (its other timings kept when they are for this engine). Returns the
+    device's profile (its timings kept where they are of this engine's graphs). Returns the
     profile's path."""
     from .profile import load_profile, profile_with_modes, save_profile
     from .telemetry import SystemReader
@@ -194,8 +194,7 @@ def race_and_save(engine_dir: str | Path, progress: Callable[[str], None] | None
     reader.read()  # the next reading's load is over the race
     modes = measure_modes(engine_dir, progress=progress, options=options)
     reading = reader.read()
-    existing, status = load_profile(engine_dir, folder)
-    keep = existing if existing is not None and status in ("ok", "throttled") else None
-    path = save_profile(profile_with_modes(engine_dir, modes, reading, keep), folder)
+    existing, _ = load_profile(engine_dir, folder)  # a stale one keeps the timings that still apply
+    path = save_profile(profile_with_modes(engine_dir, modes, reading, existing), folder)
     log.info("raced %d decoding modes in %.0f s; kept in %s", len(modes), time.perf_counter() - t0, path)
     return path

@@ -288,7 +288,7 @@ class Pipeline:
         from .profile import load_profile
 
         prof, status = load_profile(self.engine_dir)
-        if prof is None or status not in ("ok", "throttled"):
+        if prof is None or not prof.times(self.engine_dir, self.target.precision, status):
             return None
         return prof.slots_ms(self.target.precision, slots) or None
 

@@ -23,7 +23,7 @@ import platform
 import re
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +89,16 @@ class DeviceProfile:
     throttled: bool
     timings: tuple[Timing, ...]
     modes: tuple[ModeSpeed, ...] = ()  # decoding modes raced end to end (``dspark_edge.modes``)
+    # The target graphs each precision's timings were measured on (``precision_sha``): they stay
+    # usable when the engine changes elsewhere (e.g. an int4 graph added beside FP32 and INT8).
+    precision_sha256: dict[str, str] = field(default_factory=dict)
+
+    def times(self, engine_dir: str | Path, precision: str, status: str) -> bool:
+        """Whether this profile (found with ``status``) holds timings of ``precision``'s graphs
+        as ``engine_dir`` has them now."""
+        if status in ("ok", "throttled"):
+            return True
+        return status == "stale" and self.precision_sha256.get(precision) == precision_sha(engine_dir, precision)
 
     def verify_ms(self, precision: str, context: int = 256) -> dict[int, float]:
         """Median ms per verify width at the profiled depth nearest ``context``."""
@@ -181,8 +191,18 @@ def manifest_sha(engine_dir: Path) -> str:
     drafter, keeps the verify curve the scheduler reads)."""
     from .manifest import read_manifest
 
-    m = read_manifest(engine_dir)
-    target_files = {v.file for v in m.variants if v.role == "target"}
+    return _graphs_sha(read_manifest(Path(engine_dir)), None)
+
+
+def precision_sha(engine_dir: str | Path, precision: str) -> str:
+    """``manifest_sha`` of one target precision's graph files."""
+    from .manifest import read_manifest
+
+    return _graphs_sha(read_manifest(Path(engine_dir)), precision)
+
+
+def _graphs_sha(m, precision: str | None) -> str:
+    target_files = {v.file for v in m.variants if v.role == "target" and precision in (None, v.precision)}
     entries = sorted((f for f in m.files if f.path in target_files), key=lambda f: f.path)
     return hashlib.sha256("".join(f"{f.path}:{f.sha256};" for f in entries).encode()).hexdigest()
 
@@ -285,6 +305,7 @@ def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512
 
     return DeviceProfile(
         schema_version=SCHEMA_VERSION, device_key=key, device=ident, engine=manifest.model.name, modes=raced,
+        precision_sha256={p: precision_sha(engine_dir, p) for p in manifest.precisions("target")},
         engine_sha256=manifest_sha(engine_dir),
         versions={"dspark-edge": __version__, "onnxruntime": onnxruntime.__version__, "numpy": np.__version__},
         created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -302,6 +323,12 @@ def profile_with_modes(engine_dir: str | Path, modes: tuple[ModeSpeed, ...], rea
 
     from . import __version__
 
+    sha = manifest_sha(Path(engine_dir))
+    if existing is not None and existing.engine_sha256 != sha:
+        # The engine changed since: keep the timings of the precisions whose graphs did not.
+        kept = {p for p in existing.precision_sha256 if existing.times(engine_dir, p, "stale")}
+        existing = replace(existing, engine_sha256=sha, precision_sha256={p: existing.precision_sha256[p] for p in kept},
+                           timings=tuple(t for t in existing.timings if t.role == "drafter" or t.precision in kept))
     if existing is not None:
         return replace(existing, modes=tuple(modes))
     import onnxruntime
@@ -309,7 +336,7 @@ def profile_with_modes(engine_dir: str | Path, modes: tuple[ModeSpeed, ...], rea
     key, ident = device_identity()
     return DeviceProfile(
         schema_version=SCHEMA_VERSION, device_key=key, device=ident, engine=_engine_name(engine_dir),
-        engine_sha256=manifest_sha(Path(engine_dir)),
+        engine_sha256=sha,
         versions={"dspark-edge": __version__, "onnxruntime": onnxruntime.__version__, "numpy": np.__version__},
         created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         max_temp_c=reading.max_temp_c, cpu_other_percent=float(reading.cpu_other_percent),
@@ -389,7 +416,7 @@ def cost_curve(model, engine_dir: str | Path) -> tuple[dict[int, float], str]:
     and the profile's status (``load_profile``)."""
     prof, status = load_profile(engine_dir)
     curve = None
-    if prof is not None and status in ("ok", "throttled"):
+    if prof is not None and prof.times(engine_dir, model.precision, status):
         try:
             curve = _usable(prof.verify_ms(model.precision))
         except ConfigError as exc:

@@ -45,10 +45,13 @@ def test_inspect(tiny_engine):
     p = run("inspect", "--engine", str(tiny_engine), "--verify-hashes")
     assert p.returncode == 0, p.stderr
     assert "widths [1, 2, 3, 4]" in p.stdout and "sha256 verified" in p.stdout and "passed" in p.stdout
-    assert "--drafter auto picks ngram+self for the fp32 target, ngram for the int8 target" in p.stdout
+    assert "the rule's drafter: ngram+self for the fp32 target, ngram for the int8 target" in p.stdout
+    assert "--precision auto --drafter auto: target fp32, drafter ngram+self" in p.stdout
     j = run("inspect", "--engine", str(tiny_engine), "--json")
     assert json.loads(j.stdout)["schema_version"] == 1
     assert json.loads(j.stdout)["auto_drafter"] == {"fp32": "ngram+self", "int8": "ngram"}
+    assert json.loads(j.stdout)["faithful_precisions"] == ["fp32"]
+    assert json.loads(j.stdout)["auto_mode"]["precision"] == "fp32"
 
 
 def test_inspect_names_the_device_key_when_no_profile_matches(tiny_engine, tmp_path, monkeypatch):

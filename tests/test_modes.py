@@ -18,13 +18,16 @@ PROMPTS = [{"id": "a", "category": "t", "prompt": "The quick brown fox"},
 
 
 def _with_int4(tiny_engine, tmp_path, output: str | None = "fp32"):
-    """A copy of the tiny engine whose manifest lists int4 variants (the FP32 graph under that
-    name: the choice's mechanics, not int4's kernels) and says what their output is."""
+    """A copy of the tiny engine with int4 variants (a copy of the FP32 graph under that name:
+    the choice's mechanics, not int4's kernels) whose manifest says what their output is."""
     engine = tmp_path / "engine"
     shutil.copytree(tiny_engine, engine)
+    shutil.copytree(engine / "target" / "fp32", engine / "target" / "int4")
     data = json.loads((engine / "manifest.json").read_text())
-    data["variants"] += [{**v, "precision": "int4"} for v in data["variants"]
+    renamed = lambda path: path.replace("target/fp32/", "target/int4/")  # noqa: E731
+    data["variants"] += [{**v, "precision": "int4", "file": renamed(v["file"])} for v in data["variants"]
                          if v["role"] == "target" and v["precision"] == "fp32"]
+    data["files"] += [{**f, "path": renamed(f["path"])} for f in data["files"] if f["path"].startswith("target/fp32/")]
     if output is not None:
         data["exporter"][INT4_OUTPUT_KEY] = output
     (engine / "manifest.json").write_text(json.dumps(data))
@@ -160,3 +163,59 @@ def test_the_default_models_int4_answers_equal_fp32s_in_a_race(default_engine):
     assert {(x.precision, x.drafter) for x in modes} == {("fp32", "none"), ("fp32", "ngram+self"),
                                                         ("int4", "none"), ("int4", "ngram+self")}
     assert all(x.exact for x in modes), modes
+
+
+def test_timings_of_unchanged_precisions_survive_an_added_precision(tiny_engine, tmp_path, profiles):
+    """A profile measured before int4 was added to the engine keeps serving FP32's and INT8's
+    pass costs (their graphs are the same), and a race keeps them in the profile it writes."""
+    from dspark_edge.decoder import DecoderModel
+    from dspark_edge.profile import DeviceProfile, Timing, cost_curve, precision_sha
+
+    key, ident = device_identity()
+    save_profile(DeviceProfile(
+        schema_version=1, device_key=key, device=ident, engine="tiny", engine_sha256=manifest_sha(tiny_engine),
+        versions={}, created_utc="now", max_temp_c=None, cpu_other_percent=0.0, throttled=False,
+        timings=tuple(Timing("target", p, w, 64, 1.0 + w, 2.0 + w) for p in ("fp32", "int8") for w in (1, 2, 3, 4)),
+        precision_sha256={p: precision_sha(tiny_engine, p) for p in ("fp32", "int8")}), profiles)
+    engine = _with_int4(tiny_engine, tmp_path)
+    prof, status = load_profile(engine)
+    assert status == "stale" and prof.times(engine, "fp32", status) and not prof.times(engine, "int4", status)
+    m = read_manifest(engine)
+    curve, _ = cost_curve(DecoderModel(m, engine, "fp32"), engine)
+    assert curve == {1: 2.0, 2: 3.0, 3: 4.0, 4: 5.0}  # the profile's, not measured now
+    race_and_save(engine, folder=profiles)
+    prof, status = load_profile(engine)
+    assert status == "ok" and len(prof.modes) == 4
+    assert {t.precision for t in prof.timings} == {"fp32", "int8"} and set(prof.precision_sha256) == {"fp32", "int8"}
+    # A precision whose graph changed is dropped: the int8 graph rewritten, its timings go.
+    import onnx
+
+    from dspark_edge.manifest import sha256_file
+
+    data = json.loads((engine / "manifest.json").read_text())
+    for f in data["files"]:
+        if f["path"].startswith("target/int8/") and f["path"].endswith(".onnx"):
+            graph = onnx.load(str(engine / f["path"]), load_external_data=False)
+            graph.doc_string = "re-exported"
+            onnx.save_model(graph, str(engine / f["path"]))
+            f["sha256"], f["size"] = sha256_file(engine / f["path"]), (engine / f["path"]).stat().st_size
+    (engine / "manifest.json").write_text(json.dumps(data))
+    race_and_save(engine, folder=profiles)
+    prof, _ = load_profile(engine)
+    assert {t.precision for t in prof.timings} == {"fp32"}
+
+
+@pytest.mark.slow
+def test_the_shipped_profiles_time_the_default_exports_graphs(default_engine):
+    """Every shipped profile that names its graphs per precision names the embedded default's
+    as the exporter writes them now (int4 beside them or not): a change to the exported FP32 or
+    INT8 graph would leave those profiles silently unused."""
+    from dspark_edge.profile import SHIPPED_DIR, precision_sha, read_profile
+
+    named = [read_profile(p) for p in sorted(SHIPPED_DIR.glob("*.json"))]
+    named = [p for p in named if p.precision_sha256]
+    assert named, "no shipped profile names its graphs per precision"
+    for prof in named:
+        for precision, sha in prof.precision_sha256.items():
+            assert sha == precision_sha(default_engine, precision), (prof.device_key, precision)
+            assert prof.times(default_engine, precision, "stale")

@@ -54,12 +54,20 @@ def cmd_inspect(args) -> int:
     from ..pipeline import auto_drafter
 
     auto = {p: auto_drafter(m, p) for p in m.precisions("target", "onnxruntime")}  # onnxruntime on the CPU
+    mode = None
+    if m.precisions("target", "onnxruntime"):
+        from ..modes import choose_mode
+
+        mode = choose_mode(m, args.engine, precision=None)  # what --precision auto --drafter auto load here
     if args.json:
         print(json.dumps({**to_json_dict(m), "profile": {"status": status,
                                                          "device_key": prof.device_key if prof else None,
                                                          "created_utc": prof.created_utc if prof else None},
                           "ngram_table": table,
                           "auto_drafter": auto,
+                          "auto_mode": None if mode is None else {"precision": mode.precision,
+                                                                  "drafter": mode.drafter, "reason": mode.reason},
+                          "faithful_precisions": m.faithful_precisions("onnxruntime"),
                           "telemetry_sources": sources,
                           "hashes_verified": bool(args.verify_hashes)}, indent=2))
         return 0
@@ -112,15 +120,21 @@ def cmd_inspect(args) -> int:
                   f"(constant {(cal.get('constant') or {}).get('log_loss')}), ECE {fit.get('ece')}, "
                   f"AUROC {fit.get('auroc')}")
     if auto:
-        print("auto       --drafter auto picks " + ", ".join(f"{d} for the {p} target" for p, d in auto.items())
+        print("auto       the rule's drafter: " + ", ".join(f"{d} for the {p} target" for p, d in auto.items())
               + " (onnxruntime on the CPU)")
+    if mode is not None:
+        print(f"           --precision auto --drafter auto: target {mode.precision}, drafter {mode.drafter or 'none'} "
+              f"({mode.reason}); output the model's own at {', '.join(m.faithful_precisions('onnxruntime'))}")
     if prof is None:
         from ..profile import device_identity
 
         print(f"profile    {status} for this device ({device_identity()[0]}): the scheduler measures the verify "
               f"curve for a second at load; `python -m dspark_edge profile --engine {args.engine}` keeps one")
     else:
-        print(f"profile    {status} ({prof.device_key}, {prof.created_utc})")
+        timed = {t.precision for t in prof.timings if t.role == "target"}
+        usable = [p for p in m.precisions("target") if p in timed and prof.times(args.engine, p, status)]
+        print(f"profile    {status} ({prof.device_key}, {prof.created_utc}): timings of "
+              f"{', '.join(usable) or 'no target precision'} in use; {len(prof.modes)} decoding modes raced")
     print(f"telemetry  {', '.join(sources)}")
     total = sum(f.size for f in m.files)
     print(f"files      {len(m.files)}, {total / 2**20:.1f} MiB, "
