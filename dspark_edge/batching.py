@@ -357,6 +357,7 @@ class BatchRunner:
         width = int(ids.shape[0])
         if self.copy is None:
             raise BackendError("no copy is attached to this batch (attach_copy)")
+        self.copy.check_width(width)  # the graph's listed widths, as a pass of it alone
         if width < 1 or start + width > self.capacity:
             raise BackendError(f"cannot run {width} new tokens after {start} of {self.capacity} KV positions")
         with self._cond:  # passes run holding the lock: none is under way while the copy runs

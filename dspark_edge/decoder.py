@@ -72,10 +72,14 @@ class DecoderModel:
 
         The returned arrays are reused by the next call of the same width: copy what you keep.
         """
-        if ids.shape[0] not in self.widths:
-            raise ConfigError(f"width {ids.shape[0]} is not a listed {self.precision} {self.role} width "
-                              f"{self.widths}; pick one of those")
+        self.check_width(ids.shape[0])
         return self.session.forward(cache, ids)
+
+    def check_width(self, width: int) -> None:
+        """Refuse a pass of ``width`` tokens that this graph does not list."""
+        if width not in self.widths:
+            raise ConfigError(f"width {width} is not a listed {self.precision} {self.role} width "
+                              f"{self.widths}; pick one of those")
 
     def prefill(self, cache: KVCache, ids: np.ndarray, chunk: int = PREFILL_CHUNK,
                 hidden_sink: list | None = None) -> ForwardOutput:

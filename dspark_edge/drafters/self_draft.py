@@ -165,7 +165,7 @@ class SelfDrafter(BaseDrafter):
 
             self.model = runner.attach_copy(self.model)
             self._view = SlotCache(cache.capacity, cache.slot)
-            self._run = lambda view, ids: runner.copy_forward(view.slot, view.length, self._listed(ids))
+            self._run = lambda view, ids: runner.copy_forward(view.slot, view.length, ids)
             self._room = lambda: runner.copy_room(cache.slot)
         else:
             view = getattr(self.model.session, "view_cache", None)
@@ -186,12 +186,6 @@ class SelfDrafter(BaseDrafter):
 
     def _run_alone(self, view, ids: np.ndarray) -> np.ndarray:
         return self.model.step(view, ids).logits
-
-    def _listed(self, ids: np.ndarray) -> np.ndarray:
-        if ids.shape[0] not in self.model.widths:
-            raise ConfigError(f"width {ids.shape[0]} is not a listed {self.precision} target width "
-                              f"{self.model.widths}; pick one of those")
-        return ids
 
     def _target_pass_ms(self, width: int) -> float | None:
         """The target's pass ms at ``width``, for a fixed length's fill: from the device profile
