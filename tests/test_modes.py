@@ -219,3 +219,16 @@ def test_the_shipped_profiles_time_the_default_exports_graphs(default_engine):
         for precision, sha in prof.precision_sha256.items():
             assert sha == precision_sha(default_engine, precision), (prof.device_key, precision)
             assert prof.times(default_engine, precision, "stale")
+
+
+def test_bench_auto_is_the_rules_drafter_even_where_plain_decoding_raced_fastest(tiny_engine, profiles, capsys):
+    from dspark_edge.cli import main
+
+    _save_modes(tiny_engine, profiles, [ModeSpeed("fp32", "none", 30.0, 1.0, 2, 2, 8),
+                                        ModeSpeed("fp32", "ngram+self", 20.0, 0.67, 2, 2, 8)])
+    with dspark_edge.load(tiny_engine, drafter="auto") as pipe:  # what generate would load: plain
+        assert pipe.drafter is None and "raced" in pipe.mode_reason
+    assert main(["bench", "--engine", str(tiny_engine), "--limit", "1", "--max-new-tokens", "6", "--repeats", "2",
+                 "--depth", "16", "--drafter", "auto", "--draft-tokens", "2"]) == 0
+    assert list(json.loads(capsys.readouterr().out)["comparison"]["variants"]) == [
+        "plain", "ngram+self:int8 auto", "ngram+self:int8 k=2"]

@@ -78,6 +78,18 @@ def cmd_bench(args) -> int:
         raise ConfigError("--top-k, --top-p and --sampling shape sampled decoding: give --temperature > 0 as well")
     from ..drafters.spec import own_model
 
+    if "auto" in specs:
+        # "auto" stands for the rule's drafter at the benchmarked precision (a comparison needs a
+        # drafter; load()'s "auto" may pick plain decoding where a race found it fastest).
+        from ..manifest import read_manifest
+        from ..pipeline import auto_drafter
+
+        m = read_manifest(args.engine)
+        precision = args.precision or (m.precisions("target", args.backend) or [None])[0]
+        specs = [auto_drafter(m, precision, args.backend, backend_options(args).providers) if s == "auto" else s
+                 for s in specs]
+        if len(set(specs)) != len(specs):
+            raise ConfigError(f"--drafter lists a drafter twice once 'auto' is resolved: {', '.join(specs)}")
     pipe = load_engine(args, drafter=specs[0] if specs else None, shared_threads=any(map(own_model, specs)))
     widths = pipe.target.widths
     if args.depth + max(widths) > pipe.target.capacity:
@@ -102,13 +114,8 @@ def cmd_bench(args) -> int:
         from ..bench import bench_compare
 
         from ..drafters import create
-        from ..pipeline import auto_drafter, drafter_backend_options
+        from ..pipeline import drafter_backend_options
 
-        # "auto" stands for the drafter the loaded target's precision and device call for.
-        specs = [auto_drafter(m, pipe.target.precision, args.backend, pipe.target.session.providers)
-                 if s == "auto" else s for s in specs]
-        if len(set(specs)) != len(specs):
-            raise ConfigError(f"--drafter lists a drafter twice once 'auto' is resolved: {', '.join(specs)}")
         ks = asked_ks or listed
         drafters = [(specs[0] if len(specs) > 1 else pipe.drafter.name, pipe.drafter)]  # the first: loaded with the target
         drafters += [(spec, create(spec, m, options=drafter_backend_options(spec, backend_options(args)),
