@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, DSparkError
 from .profile import ModeSpeed
 
 log = logging.getLogger(__name__)
@@ -81,16 +81,23 @@ def measure_modes(engine_dir: str | Path, prompts: list[dict] | None = None, max
     prompts = prompts if prompts is not None else load_prompts()[:RACE_PROMPTS]
     if not prompts:
         raise ConfigError("a mode race needs at least one prompt")
-    modes = candidate_modes(manifest)
-    if not modes:
+    candidates = candidate_modes(manifest)
+    if not candidates:
         raise ConfigError(f"{engine_dir} has no onnxruntime target to race")
-    # One process-wide thread pool: the modes' sessions take turns on the same cores without
-    # spinning against each other (as `python -m dspark_edge bench` runs them).
-    # Without spinning also where this onnxruntime cannot share a pool (each session then has its own).
+    # Sessions that do not spin, also where this onnxruntime cannot share a pool: they take turns.
     options = replace(options, allow_spinning=False) if options is not None else BackendOptions(allow_spinning=False)
-    pipes = []
-    for precision, drafter in modes:
-        pipes.append(load(engine_dir, precision, drafter=drafter, options=options))
+    modes, pipes = [], []
+    for i, (precision, drafter) in enumerate(candidates):
+        try:
+            pipes.append(load(engine_dir, precision, drafter=drafter, options=options))
+        except DSparkError as exc:  # e.g. a drafter's graph that fails its hash: that mode sits out
+            if i == 0:
+                raise
+            log.warning("mode %s + %s left out of the race: %s", precision, drafter or "plain", exc)
+            if progress:
+                progress(f"{precision} + {drafter or 'plain'}: left out ({exc})")
+            continue
+        modes.append((precision, drafter))
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
     warm = GenerationConfig(max_new_tokens=4, ignore_eos=True)
     try:
@@ -146,7 +153,7 @@ def choose_mode(manifest, engine_dir: str | Path, backend: str = "onnxruntime",
     if on_cpu and pool:
         profile, status = load_profile(engine_dir)
         if profile is not None and status in ("ok", "throttled") and profile.modes:
-            wanted = None if drafter == "auto" else (drafter or "none")
+            wanted = None if drafter == "auto" else (drafter or "none")  # compared as spelled
             runs = [m for m in profile.modes if m.precision in pool and m.precision in faithful and m.exact
                     and (wanted is None or m.drafter == wanted)]
             if runs:
@@ -162,8 +169,12 @@ def choose_mode(manifest, engine_dir: str | Path, backend: str = "onnxruntime",
     if chosen is None:
         raise ConfigError("the engine has no target for this backend")
     pick = auto_drafter(manifest, chosen, backend, providers) if drafter == "auto" else drafter
-    return ModeChoice(chosen, pick, f"{why}: the most precise target with the rule's drafter (race them: "
-                                    f"`python -m dspark_edge profile --engine {engine_dir} --modes-only`)")
+    what = "the most precise target" if precision is None else f"the {chosen} target"
+    if drafter == "auto":
+        what += " with the rule's drafter"
+    return ModeChoice(chosen, pick, f"{why}: {what} (race the modes: `python -m dspark_edge profile --engine "
+                                    f"{engine_dir} --modes-only`)")
+
 
 
 def needs_race(manifest, engine_dir: str | Path, backend: str = "onnxruntime",

@@ -232,3 +232,13 @@ def test_bench_auto_is_the_rules_drafter_even_where_plain_decoding_raced_fastest
                  "--depth", "16", "--drafter", "auto", "--draft-tokens", "2"]) == 0
     assert list(json.loads(capsys.readouterr().out)["comparison"]["variants"]) == [
         "plain", "ngram+self:int8 auto", "ngram+self:int8 k=2"]
+
+
+def test_a_mode_that_cannot_load_sits_the_race_out(tiny_engine, tmp_path):
+    engine = _with_int4(tiny_engine, tmp_path)
+    graph = next((engine / "target" / "int8").glob("*.onnx"))
+    graph.write_bytes(graph.read_bytes()[:-1] + b"\0")  # same size, another hash: the INT8 copy is refused
+    seen = []
+    modes = measure_modes(engine, prompts=PROMPTS[:1], max_new_tokens=4, progress=seen.append)
+    assert [(m.precision, m.drafter) for m in modes] == [("fp32", "none"), ("int4", "none")]
+    assert any("fp32 + ngram+self: left out" in line for line in seen)
