@@ -31,6 +31,7 @@ measured rates. --plot writes a timeline of width, acceptance, tok/s and telemet
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ from dspark_edge.metrics import TraceWriter
 from dspark_edge.paths import output_file
 from dspark_edge.drafters import spec as drafter_spec
 from dspark_edge.drafters.spec import own_model
-from dspark_edge.modes import needs_race, race_and_save
+from dspark_edge.modes import needs_race
 from dspark_edge.tokenizer import IncrementalDecoder
 
 DEFAULT_ENGINE = Path(__file__).resolve().parent.parent / "engines" / "smollm2-135m"
@@ -319,10 +320,11 @@ def main() -> int:
             print(f"[demo] racing the exact decoding modes of {args.engine} on this device, once (about a "
                   "minute): each precision whose output is the model's own, plainly and with its drafter",
                   file=sys.stderr, flush=True)
-            where = race_and_save(args.engine, progress=lambda m: print(f"[demo] {m}", file=sys.stderr, flush=True),
-                                  options=dspark_edge.BackendOptions(shared_threads=True))  # this process is the demo's
-            print(f"[demo] kept in {where}; `python -m dspark_edge profile --engine {args.engine} --modes-only` "
-                  "races again", file=sys.stderr, flush=True)
+            # In a process of its own: the race's sessions and their memory go with it.
+            race = subprocess.run([sys.executable, "-m", "dspark_edge", "profile", "--engine", str(args.engine),
+                                   "--modes-only"])
+            if race.returncode != 0:
+                print("[demo] the race failed (above); decoding in the rule's mode instead", file=sys.stderr, flush=True)
         # A drafter with a graph of its own shares the target's thread pool (BackendOptions.shared_threads).
         options = dspark_edge.BackendOptions(providers=providers,
                                              shared_threads=own_model(drafter))

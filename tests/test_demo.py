@@ -132,3 +132,32 @@ def test_live_panel_on_the_embedded_default(default_engine, tmp_path):
     for field in PANEL_FIELDS + ("SmolLM2-135M-Instruct",):
         assert field in screen, (field, screen)
     assert {"width", "tok/s", "free memory MiB"} <= set(plot_metadata(plot)["series"])
+
+
+def test_the_demo_races_the_exact_modes_once_and_decodes_in_the_fastest(tiny_engine, tmp_path):
+    """An engine with two precisions whose output is the model's own: the demo races them first
+    (in a process of its own, kept in the profile), decodes in the fastest, and says why; a
+    second start finds the race in the profile."""
+    import json
+    import os
+
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine, engine)
+    shutil.copytree(engine / "target" / "fp32", engine / "target" / "int4")
+    data = json.loads((engine / "manifest.json").read_text())
+    data["variants"] += [{**v, "precision": "int4", "file": v["file"].replace("/fp32/", "/int4/")}
+                         for v in data["variants"] if v["role"] == "target" and v["precision"] == "fp32"]
+    data["files"] += [{**f, "path": f["path"].replace("target/fp32/", "target/int4/")} for f in data["files"]
+                      if f["path"].startswith("target/fp32/")]
+    data["exporter"]["int4_output"] = "fp32"
+    (engine / "manifest.json").write_text(json.dumps(data))
+    env = {**os.environ, "DSPARK_PROFILES": str(tmp_path / "profiles")}
+    run = lambda: subprocess.run([sys.executable, str(DEMO), "--engine", str(engine), "--max-new-tokens", "8"],  # noqa: E731
+                                 cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    p = run()
+    assert p.returncode == 0, p.stderr
+    assert "[demo] racing the exact decoding modes" in p.stderr and "[profile] wrote" in p.stderr
+    assert "mode: the fastest exact mode raced on this device" in p.stdout
+    q = run()
+    assert q.returncode == 0, q.stderr
+    assert "racing" not in q.stderr and "mode: the fastest exact mode raced on this device" in q.stdout
