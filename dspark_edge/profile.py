@@ -228,7 +228,6 @@ def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512
     engine cannot batch (no fused graph, or no ``onnx`` package) are left out with a note.
     With ``modes``, the decoding modes are raced too (``dspark_edge.modes.measure_modes``, with
     ``mode_options``), for ``precision="auto"``."""
-    from . import __version__
     from .backends import BackendOptions
     from .decoder import DecoderModel
     from .manifest import read_manifest
@@ -300,15 +299,10 @@ def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512
 
         raced = measure_modes(engine_dir, progress=progress, options=mode_options)
         note()
-    key, ident = device_identity()
-    import onnxruntime
-
     return DeviceProfile(
-        schema_version=SCHEMA_VERSION, device_key=key, device=ident, engine=manifest.model.name, modes=raced,
-        precision_sha256={p: precision_sha(engine_dir, p) for p in manifest.precisions("target")},
-        engine_sha256=manifest_sha(engine_dir),
-        versions={"dspark-edge": __version__, "onnxruntime": onnxruntime.__version__, "numpy": np.__version__},
-        created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **_stamp(), engine=manifest.model.name, modes=raced,
+        precision_sha256={p: _graphs_sha(manifest, p) for p in manifest.precisions("target")},
+        engine_sha256=_graphs_sha(manifest, None),
         max_temp_c=max(temps) if temps else None, cpu_other_percent=float(np.median(others)) if others else 0.0,
         throttled=throttled, timings=tuple(timings))
 
@@ -321,9 +315,10 @@ def profile_with_modes(engine_dir: str | Path, modes: tuple[ModeSpeed, ...], rea
     temperature, other processes' load and throttling are recorded with a new profile)."""
     from dataclasses import replace
 
-    from . import __version__
+    from .manifest import read_manifest
 
-    sha = manifest_sha(Path(engine_dir))
+    manifest = read_manifest(Path(engine_dir))
+    sha = _graphs_sha(manifest, None)
     if existing is not None and existing.engine_sha256 != sha:
         # The engine changed since: keep the timings of the precisions whose graphs did not.
         kept = {p for p in existing.precision_sha256 if existing.times(engine_dir, p, "stale")}
@@ -331,22 +326,22 @@ def profile_with_modes(engine_dir: str | Path, modes: tuple[ModeSpeed, ...], rea
                            timings=tuple(t for t in existing.timings if t.role == "drafter" or t.precision in kept))
     if existing is not None:
         return replace(existing, modes=tuple(modes))
-    import onnxruntime
-
-    key, ident = device_identity()
     return DeviceProfile(
-        schema_version=SCHEMA_VERSION, device_key=key, device=ident, engine=_engine_name(engine_dir),
-        engine_sha256=sha,
-        versions={"dspark-edge": __version__, "onnxruntime": onnxruntime.__version__, "numpy": np.__version__},
-        created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **_stamp(), engine=manifest.model.name, engine_sha256=sha,
         max_temp_c=reading.max_temp_c, cpu_other_percent=float(reading.cpu_other_percent),
         throttled=bool(reading.throttling), timings=(), modes=tuple(modes))
 
 
-def _engine_name(engine_dir: str | Path) -> str:
-    from .manifest import read_manifest
+def _stamp() -> dict:
+    """The fields every new profile carries: schema, this device, library versions, time."""
+    import onnxruntime
 
-    return read_manifest(Path(engine_dir)).model.name
+    from . import __version__
+
+    key, ident = device_identity()
+    return {"schema_version": SCHEMA_VERSION, "device_key": key, "device": ident,
+            "versions": {"dspark-edge": __version__, "onnxruntime": onnxruntime.__version__, "numpy": np.__version__},
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _slots_timings(model, precision: str, counts: tuple[int, ...], reps: int, note, progress) -> list[Timing]:
