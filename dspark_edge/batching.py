@@ -38,8 +38,11 @@ writing at the slot's *frontier*: past every position its latest passes wrote (K
 still commit, or that its copy's next step reads), and at or past its committed length. Nothing
 at or past a frontier is read before the slot's own next pass writes it, so a dummy never
 changes an answer, nor the copy's drafts. A gathering slot waits at most ``gather_s`` for the
-others (and at most ``draft_wait_s`` for slots whose copy is drafting): a slot busy elsewhere (a
-caller that stopped iterating its stream) never stalls the rest.
+others (and at most ``draft_wait_s`` for slots whose copy is drafting). A slot quiet for
+``stall_s`` (no pass pending, none submitted or returned and no copy step in that time: its caller
+stopped iterating its stream) is *stalled*: nobody waits for it and it does not count as decoding
+(``draft_room``, ``copy_room``), until its next pass or copy step. So a slot busy elsewhere
+never stalls the rest, nor bars a slot that decodes alone from drafting.
 """
 
 from __future__ import annotations
@@ -131,7 +134,7 @@ class BatchRunner:
 
     def __init__(self, model, slots: int, gather_s: float = 0.02, verify_slots: bool = True,
                  curve: dict[int, float] | None = None, pass_costs: dict[int, float] | None = None,
-                 measure: bool = True, draft_wait_s: float = 0.5) -> None:
+                 measure: bool = True, draft_wait_s: float = 0.5, stall_s: float = 0.25) -> None:
         if model.backend != "onnxruntime" or not hasattr(model.session, "new_rows"):
             raise ConfigError("batching several requests needs the onnxruntime backend and the fused graph "
                               "(its shared K/V buffer); serve with --parallel 1 on this engine")
@@ -139,7 +142,7 @@ class BatchRunner:
             raise ConfigError(f"--parallel must be at least 1, got {slots}")
         self.model, self.session, self.slots = model, model.session, slots
         self.capacity = self.session.capacity
-        self.gather_s, self.draft_wait_s = gather_s, draft_wait_s
+        self.gather_s, self.draft_wait_s, self.stall_s = gather_s, draft_wait_s, stall_s
         try:
             self._kv = self.session.new_rows(slots)
         except BackendError as exc:
@@ -154,13 +157,14 @@ class BatchRunner:
         elif self.slots_pass is not None and measure:
             self.measure_passes(max(model.widths))
         self.copy = None  # the self drafter's copy (a DecoderModel) running over the same rows
-        if self.slots_pass is not None and measure:
+        if measure:  # also onnxruntime's first run at each row count, which costs ~0.3 s on a CPU
             self.measure_rows()
         self.choices: dict[int, dict] = {}  # each offering slot's last joint choice, for its round's record
         self._cond = threading.Condition()
         self._active: set[int] = set()
         self._pending: dict[int, np.ndarray] = {}
         self._copying: set[int] = set()  # slots that ran copy steps since their latest target pass
+        self._heard: dict[int, float] = {}  # slot -> when it last joined, submitted or got a pass, or drafted
         self._results: dict[int, ForwardOutput | BaseException] = {}
         self._offers: dict[int, tuple[np.ndarray, int]] = {}  # slot -> (confidences, width alone)
         # Where a slot's dummy row may write: past the positions its passes since its latest
@@ -197,9 +201,11 @@ class BatchRunner:
     def measure_rows(self, repeats: int = 3) -> dict[int, float]:
         """``costs.rows``: the width-1 pass over m rows, m = 1 … slots, what a round of m
         requests costs when none of their drafts is verified (the joint choice's yardstick
-        against the slots pass; the batched passes run since then update it). Runs on rows
-        whose caches are empty, at position 0 (nothing is committed there yet): called when the
-        runner opens. Well under a second."""
+        against the slots pass; the batched passes run since then update it). Called when the
+        runner opens, it is also the warm-up: onnxruntime's first pass at each new row count
+        sets up its buffers, which the first requests would otherwise wait for. Runs on rows
+        whose caches are empty, at position 0 (nothing is committed there yet). About a second
+        for 4 slots on a CPU."""
         ids = np.zeros((self.slots, 1), dtype=np.int64)
         mask = np.ones((self.slots, 1), dtype=np.int64)
         for m in range(1, self.slots + 1):
@@ -230,6 +236,7 @@ class BatchRunner:
     def join(self, slot: int) -> None:
         with self._cond:
             self._active.add(slot)
+            self._heard[slot] = time.monotonic()
 
     def leave(self, slot: int) -> None:
         """The slot's generation ended: the others stop waiting for it."""
@@ -238,6 +245,7 @@ class BatchRunner:
             self._pending.pop(slot, None)
             self._frontier.pop(slot, None)
             self._copying.discard(slot)
+            self._heard.pop(slot, None)
             self.caches[slot].reset()
             self._cond.notify_all()
 
@@ -248,14 +256,24 @@ class BatchRunner:
     def _wrote(self, slot: int, start: int, width: int) -> None:
         self._frontier[slot] = max(self._frontier.get(slot, 0), start + width)
 
+    def _decoding(self) -> set[int]:
+        """The active slots that are not stalled (see the module docstring); holding the lock."""
+        now = time.monotonic()
+        return {s for s in self._active if s in self._pending or now - self._heard.get(s, now) < self.stall_s}
+
+    def _stall_at(self) -> float | None:
+        """When the next decoding slot without a pending pass turns stalled; holding the lock."""
+        quiet = [self._heard[s] for s in self._decoding() - self._pending.keys() if s in self._heard]
+        return min(quiet) + self.stall_s if quiet else None
+
     def draft_room(self, slot: int) -> int | None:
-        """How many drafts the slot may verify this round: None (no limit) while it is the only
-        active slot or drafts of several requests share a pass (the slots graph); otherwise 0
-        while others are active (their width-1 steps batch with its own)."""
+        """How many drafts the slot may verify this round: None (no limit) while no other slot
+        is decoding or drafts of several requests share a pass (the slots graph); otherwise 0
+        (their width-1 steps batch with its own)."""
         if self.slots_pass is not None:
             return None
         with self._cond:
-            return None if self._active <= {slot} else 0
+            return None if self._decoding() <= {slot} else 0
 
     @property
     def joint(self) -> bool:
@@ -298,23 +316,26 @@ class BatchRunner:
             while slot not in self._results:  # a pass runs holding the lock: none is under way here
                 if not self._run_ready(deadline, latest):
                     wake = latest if self._drafting() and time.monotonic() >= deadline else deadline
+                    stall = self._stall_at()  # a slot turning stalled is no event: wake for it
+                    wake = min(wake, stall) if stall is not None else wake
                     self._cond.wait(timeout=max(0.0005, wake - time.monotonic()))
             out = self._results.pop(slot)
+            self._heard[slot] = time.monotonic()
         if isinstance(out, BaseException):
             raise out
         return out
 
     def _drafting(self) -> bool:
-        """Whether an active slot's copy is drafting (it asked for a copy step since its latest
+        """Whether a decoding slot's copy is drafting (it asked for a copy step since its latest
         target pass was submitted): its target pass follows shortly."""
-        return bool(self._copying & self._active)
+        return bool(self._copying & self._decoding())
 
     def _run_ready(self, deadline: float, latest: float) -> bool:
-        """Run the pending target passes if they are due (holding the lock): when every active
-        slot has one pending, or the window is over and no slot's copy is drafting, or
+        """Run the pending target passes if they are due (holding the lock): when every
+        decoding slot has one pending, or the window is over and no slot's copy is drafting, or
         ``latest`` has passed. Returns whether they ran."""
         now = time.monotonic()
-        if self._pending.keys() >= self._active or (now >= deadline and not self._drafting()) or now >= latest:
+        if self._pending.keys() >= self._decoding() or (now >= deadline and not self._drafting()) or now >= latest:
             self._execute()
             return True
         return False
@@ -342,12 +363,12 @@ class BatchRunner:
 
     def copy_room(self, slot: int) -> int | None:
         """How many drafts the slot's copy may draw this round: None (the drafter's own choice)
-        while the slot is the only active one, else 0. Measured on a 2-core CPU with the
+        while no other slot is decoding, else 0. Measured on a 2-core CPU with the
         embedded default (docs/performance.md, "Self-drafting in a batched server"): every slot
         drafting with the copy, its steps batched as rows and the requests verified together,
         gave 0.71–0.96× the per-request speed of plain batched steps at 2 and 4 requests."""
         with self._cond:
-            return None if self._active <= {slot} else 0
+            return None if self._decoding() <= {slot} else 0
 
     def copy_forward(self, slot: int, start: int, ids: np.ndarray) -> np.ndarray:
         """The copy's logits [w, V] for ``ids`` [w] run at positions ``start`` … of the slot's
@@ -365,6 +386,7 @@ class BatchRunner:
                 raise BackendError(f"slot {slot} runs a copy step without having joined the batch")
             self._wrote(slot, start, width)
             self._copying.add(slot)
+            self._heard[slot] = time.monotonic()
             logits, _ = self.copy.session.run_rows(self._kv, slot, np.asarray(ids, dtype=np.int64).reshape(1, -1),
                                                    np.ones((1, start + width), dtype=np.int64))
             self.passes["copy"] += 1

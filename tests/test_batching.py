@@ -80,6 +80,45 @@ def test_a_stalled_stream_does_not_block_the_other_slots(tiny_engine):
         assert slots[0]._slot[0].draft_room(1) is None  # slot 0 left: slot 1 would draft alone
 
 
+def test_a_stalled_slot_neither_delays_nor_bars_the_drafting_of_the_others(tiny_engine):
+    """A slot whose caller stopped iterating its stream turns stalled after ``stall_s``: the
+    other slot's passes no longer wait out the gathering window for it (5 s here: 24 tokens
+    would take minutes), it drafts as if alone (without the slots graph a slot drafts only
+    while no other slot decodes), and the stalled stream, iterated again, ends with its own
+    answer."""
+    from forced_width import ForcedWidthScheduler
+
+    prompt = "one two three four one two three four one two"
+
+    def forced(pipe):
+        pipe.scheduler = ForcedWidthScheduler(pipe.scheduler, lambda c: min(3, len(c) + 1), "test: drafts")
+
+    with dspark_edge.load(tiny_engine, "fp32", drafter="ngram") as pipe:
+        forced(pipe)
+        want = pipe.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids
+        other = pipe.generate(PROMPTS[3], max_new_tokens=30, ignore_eos=True).token_ids
+        slots = pipe.batch_slots(2, gather_s=5.0, verify_slots=False)
+        runner = slots[0]._slot[0]
+        for s in slots:
+            forced(s)
+        stalled = slots[0].stream(PROMPTS[3], max_new_tokens=30, ignore_eos=True)
+        pieces = iter(stalled)
+        next(pieces)  # slot 0 decodes, then its caller goes quiet
+        got = []
+        alone = threading.Thread(target=lambda: got.append(slots[1].generate(prompt, max_new_tokens=24,
+                                                                             ignore_eos=True)), daemon=True)
+        alone.start()
+        alone.join(60)
+        assert not alone.is_alive(), "a slot waited for a stalled one"
+        assert got[0].token_ids == want and got[0].stats.draft_n > 0
+        for _ in pieces:  # back from its stall, slot 0 goes on where it stopped
+            pass
+        assert stalled.result.token_ids == other
+        runner.join(0), runner.join(1)  # both just heard from: both decoding
+        assert runner.draft_room(0) == 0 and runner.copy_room(0) == 0
+        runner.leave(0), runner.leave(1)
+
+
 def test_drafters_that_cannot_be_batched_are_refused(tiny_engine):
     from dspark_edge.drafters.ngram import NgramDrafter
 
@@ -116,7 +155,7 @@ def test_the_slot_rows_compute_what_a_pass_alone_computes(tiny_engine):
 
     m = read_manifest(tiny_engine)
     model = DecoderModel(m, tiny_engine, "fp32")
-    runner = BatchRunner(model, 3, gather_s=5.0)
+    runner = BatchRunner(model, 3, gather_s=5.0, stall_s=600.0)  # slots driven by hand: never stalled
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, m.model.vocab_size, n).astype(np.int64) for n in (9, 3, 17)]
     alone = []
@@ -174,7 +213,7 @@ def _prefilled_runner(engine, slots, lengths, rng):
 
     m = read_manifest(engine)
     model = DecoderModel(m, engine, "fp32")
-    runner = BatchRunner(model, slots, gather_s=5.0)
+    runner = BatchRunner(model, slots, gather_s=5.0, stall_s=600.0)  # slots driven by hand: never stalled
     prompts = [rng.integers(0, m.model.vocab_size, n).astype(np.int64) for n in lengths]
     for s, p in enumerate(prompts):
         runner.join(s)
@@ -291,6 +330,9 @@ def test_without_the_slots_graph_a_batched_slot_drafts_alone_only(tiny_engine):
         slots = pipe.batch_slots(2, verify_slots=False)
         runner = slots[0]._slot[0]
         assert not runner.joint and runner.slots_pass is None
+        # Every row count ran once when the runner opened (onnxruntime's first run at a new
+        # shape sets up buffers: the first requests would wait for it).
+        assert sorted(runner.costs.rows) == [1, 2]
         runner.join(0), runner.join(1)
         assert runner.draft_room(0) == 0
         runner.leave(1)
@@ -450,7 +492,7 @@ def test_a_dummy_row_writes_past_what_its_slot_may_still_commit(tiny_engine):
     from dspark_edge.manifest import read_manifest
 
     model = DecoderModel(read_manifest(tiny_engine), tiny_engine, "fp32")
-    runner = BatchRunner(model, 3, gather_s=0.05, verify_slots=False)
+    runner = BatchRunner(model, 3, gather_s=0.05, verify_slots=False, stall_s=600.0)
     for s in range(3):
         runner.join(s)
     a = runner.caches[0]
