@@ -12,20 +12,77 @@ mean first divergence, whether each divergence is a near-tie of FP32's logits (t
 FP32 logits closer than --tie of the largest |logit|), and whether speculative answers equal the
 same precision's plain answers. Then the cost of one pass at each verify width per precision.
 Writes JSON (--output) and prints a table.
+
+``--genai-int4 DIR`` adds onnxruntime-genai decoding its own int4 model of the same weights (its
+model builder's CPU default: the weights re-quantized to 4 bits, int8 activations), built into
+DIR from the engine's source when DIR holds none, plainly and with its native n-gram
+speculative decoding (``--genai-ngram``: N×K, n-gram size N and at most K drafts a round), in
+the same turns and on the same prompt token ids as the engine's modes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def genai_ngram_options(spec: str) -> dict[str, dict]:
+    """``--genai-ngram`` ("3x4,4x8") as {row name: set_speculative_options keywords}."""
+    out = {}
+    for part in filter(None, spec.split(",")):
+        n, _, k = part.partition("x")
+        if not (n.isdigit() and k.isdigit()):
+            raise SystemExit(f"--genai-ngram takes NxK items (n-gram size x drafts), got {part!r}")
+        out[f"genai-int4+ngram{n}x{k}"] = {"ngram_size": int(n), "max_draft_tokens": int(k)}
+    return out
+
+
+def build_genai_int4(engine: Path, out: Path) -> None:
+    """onnxruntime-genai's own int4 model of the engine's source, written to ``out`` (whole, or
+    not at all) by its model builder with the CPU defaults."""
+    from dspark_export.target import build_graph
+    from llamacpp_crosscheck import target_hf_folder
+
+    print(f"building onnxruntime-genai's int4 model into {out} (a few minutes)", file=sys.stderr, flush=True)
+    partial = out.with_name(out.name + ".partial")
+    with tempfile.TemporaryDirectory() as work:
+        try:
+            build_graph(target_hf_folder(engine, Path(work)), partial, "int4", (), Path(work) / "builder.log",
+                        keep_all=True)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+    partial.rename(out)
+
+
+def genai_generate(og, model, ids: list[int], n: int, speculative: dict | None) -> tuple[list[int], float]:
+    """onnxruntime-genai's greedy answer of ``n`` tokens (EOS ignored) and its decode seconds
+    (first token to last, as the engine's ``decode_s``)."""
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + n, min_length=len(ids) + n, do_sample=False)
+    if speculative:
+        params.set_speculative_options(**speculative)
+    gen = og.Generator(model, params)
+    gen.append_tokens([ids])
+    first = None
+    while not gen.is_done() and gen.token_count() < len(ids) + n:
+        gen.generate_next_token()
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return [int(t) for t in gen.get_sequence(0)[len(ids):len(ids) + n]], end - first
 
 
 def main() -> int:
@@ -40,7 +97,12 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--tie", type=float, default=1e-3, help="near-tie: logit gap below this × max |logit|")
     ap.add_argument("--output", type=Path, default=None)
+    ap.add_argument("--genai-int4", type=Path, default=None,
+                    help="onnxruntime-genai's own int4 model folder (built there from the engine's source when missing)")
+    ap.add_argument("--genai-ngram", default="3x4", help="with --genai-int4: its n-gram speculative settings, "
+                                                         "comma-separated NxK ('' for plain only)")
     args = ap.parse_args()
+    genai_rows = {"genai-int4+plain": None, **genai_ngram_options(args.genai_ngram)} if args.genai_int4 else {}
 
     import dspark_edge
     from dspark_edge.backends import BackendOptions
@@ -68,19 +130,34 @@ def main() -> int:
                                                         scheduler=None if d else False)
                 except ConfigError as exc:  # e.g. self-drafting for the graph that would draft
                     print(f"skipping {name} + {d}: {exc}", file=sys.stderr)
+    genai = None
+    if args.genai_int4 is not None:
+        import onnxruntime_genai as og
+
+        if not (args.genai_int4 / "genai_config.json").is_file():
+            build_genai_int4(args.engine[0], args.genai_int4)
+        genai = og.Model(str(args.genai_int4))
     prompts = load_prompts(args.prompts)[:args.limit]
     rows: dict[str, list[dict]] = {f"{p}+{d or 'plain'}": [] for p, d in pipes}
+    rows.update({name: [] for name in genai_rows})
     answers: dict[str, list[tuple]] = {k: [] for k in rows}
     prompt_ids = []
     for rec in prompts[:1]:  # warm-up, untimed
         for pipe in pipes.values():
             pipe.generate(rec.get("messages") or rec["prompt"], max_new_tokens=8, ignore_eos=True)
+        ids = list(next(iter(pipes.values())).encode_prompt(rec.get("messages") or rec["prompt"]))
+        for spec in genai_rows.values():
+            genai_generate(og, genai, ids, 8, spec)
     for n, rec in enumerate(prompts, 1):
         for (p, d), pipe in pipes.items():
             r = pipe.generate(rec.get("messages") or rec["prompt"], max_new_tokens=args.max_new_tokens, ignore_eos=True)
             key = f"{p}+{d or 'plain'}"
             rows[key].append({"id": rec["id"], "new_tokens": r.stats.new_tokens, "decode_s": r.stats.decode_s})
             answers[key].append(r.token_ids)
+        for key, spec in genai_rows.items():  # the same prompt token ids
+            toks, decode_s = genai_generate(og, genai, list(r.prompt_ids), args.max_new_tokens, spec)
+            rows[key].append({"id": rec["id"], "new_tokens": len(toks), "decode_s": decode_s})
+            answers[key].append(tuple(toks))
         prompt_ids.append(r.prompt_ids)
         print(f"[{n}/{len(prompts)}] {rec['id']}", file=sys.stderr, flush=True)
 
@@ -97,6 +174,7 @@ def main() -> int:
 
     report = {"engine": [str(e) for e in args.engine] if several else str(args.engine[0]),
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "genai_int4": str(args.genai_int4) if args.genai_int4 else None,
               "int4_weights": {e.name: read_manifest(e).exporter.get("int4_weights") for e in args.engine},
               "results": {}}
     for key, rs in rows.items():

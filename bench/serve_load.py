@@ -1,10 +1,10 @@
 """Several clients at once: dspark_edge's server against llama-server on the same model and CPU.
 
-    python bench/serve_load.py --engine engines/smollm2-135m [--clients 1,2,4] [--drafters none,auto]
+    python bench/serve_load.py --engine engines/smollm2-135m [--clients 1,2,4] [--drafters none,auto] [--precisions auto]
         [--parallel 1,c] [--shared-verify on,off] [--llama-gguf .cache/llamacpp/work/target-f32.gguf] [--requests 8] [--max-tokens 64]
 
-For each concurrency c, each server in turn (dspark_edge with each drafter at each ``--parallel``
-setting, "c" standing for the concurrency: ``serve --parallel c`` batches the requests, with
+For each concurrency c, each server in turn (dspark_edge at each ``--precisions`` setting with each
+drafter at each ``--parallel`` setting, "c" standing for the concurrency: ``serve --parallel c`` batches the requests, with
 several requests' drafts verified in one pass or not (``--shared-verify``); then
 llama-server with ``-np c`` when ``--llama-gguf`` is given: build it with
 bench/llamacpp_crosscheck.py),
@@ -113,6 +113,8 @@ def main() -> int:
     ap.add_argument("--engine", type=Path, required=True)
     ap.add_argument("--clients", default="1,2,4")
     ap.add_argument("--drafters", default="none,auto", help="dspark_edge drafters to serve with, comma-separated")
+    ap.add_argument("--precisions", default="auto", help="dspark_edge serve --precision settings, comma-separated "
+                                                         "(default: %(default)s, what the device's race chose)")
     ap.add_argument("--llama-gguf", type=Path, default=None, help="the same model as a GGUF for llama-server")
     ap.add_argument("--parallel", default="1", help="dspark_edge serve --parallel settings, comma-separated; "
                                                      "'c' is the number of clients (default: %(default)s)")
@@ -133,11 +135,12 @@ def main() -> int:
                 if shared not in ("on", "off"):
                     ap.error(f"--shared-verify takes on and off, got {shared!r}")
                 flag = "--shared-verify" if shared == "on" else "--no-shared-verify"
-                servers += [(f"dspark_edge {d}" + (f" --parallel {par}" if par > 1 else "")
+                servers += [(f"dspark_edge {prec} {d}" + (f" --parallel {par}" if par > 1 else "")
                              + (" --no-shared-verify" if par > 1 and shared == "off" else ""),
                              [sys.executable, "-m", "dspark_edge", "serve", "--engine", str(args.engine), "--drafter",
-                              d, "--max-queue", "64", "--parallel", str(par), flag], {"ignore_eos": True})
-                            for d in args.drafters.split(",")]
+                              d, "--precision", prec, "--max-queue", "64", "--parallel", str(par), flag],
+                             {"ignore_eos": True})
+                            for prec in args.precisions.split(",") for d in args.drafters.split(",")]
         if args.llama_gguf is not None:
             servers.append((f"llama-server -np {clients}", [str(SERVER), "-m", str(args.llama_gguf), "-np",
                                                               str(clients), "-c", str(4096 * clients), "-t",

@@ -166,8 +166,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def build_graph(hf_dir: Path, out_dir: Path, precision: str, hidden_layers: tuple[int, ...], log_path: Path) -> None:
-    """Run onnxruntime-genai's model builder for one precision (CPU-targeted graph)."""
+def build_graph(hf_dir: Path, out_dir: Path, precision: str, hidden_layers: tuple[int, ...], log_path: Path,
+                keep_all: bool = False) -> None:
+    """Run onnxruntime-genai's model builder for one precision (CPU-targeted graph). The builder's
+    other files (genai_config.json, the tokenizer) are removed unless ``keep_all`` (an
+    onnxruntime-genai model folder, e.g. for a benchmark against onnxruntime-genai itself)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cache = out_dir.parent / f".builder-cache-{precision}"
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out_dir),
@@ -187,7 +190,7 @@ def build_graph(hf_dir: Path, out_dir: Path, precision: str, hidden_layers: tupl
         raise ExportError(f"the graph builder failed for {precision} (exit {proc.returncode}):\n  "
                           + "\n  ".join(tail))
     # Keep only the graph and its weights: the manifest is the one description of the folder.
-    for extra in out_dir.iterdir():
+    for extra in [] if keep_all else out_dir.iterdir():
         if extra.name not in ("model.onnx", "model.onnx.data"):
             shutil.rmtree(extra) if extra.is_dir() else extra.unlink()
     if not (out_dir / "model.onnx").is_file():
