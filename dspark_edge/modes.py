@@ -136,13 +136,35 @@ def _prompt_of(rec: dict):
     return rec.get("messages") or rec["prompt"]
 
 
+def batched_cost_ms(profile, precision: str, requests: int) -> float | None:
+    """What one round of ``requests`` requests decoding at once costs at ``precision`` on this
+    device: the profile's slots-graph pass over one token of each (``profile --slots``), else
+    its verify curve at that width (the same tokens through the same matmuls); None when the
+    profile holds neither."""
+    table = profile.slots_ms(precision, requests)
+    if requests in table:
+        return table[requests]
+    try:
+        curve = profile.verify_ms(precision)
+    except ConfigError:
+        return None
+    return curve.get(requests)
+
+
 def choose_mode(manifest, engine_dir: str | Path, backend: str = "onnxruntime",
                 providers: Sequence[str] = ("CPUExecutionProvider",), precision: str | None = None,
-                drafter: str | None = "auto") -> ModeChoice:
+                drafter: str | None = "auto", requests: int = 1) -> ModeChoice:
     """The mode to decode in: among this device's raced modes at a faithful precision whose
     answers all equalled the reference's (at ``precision`` only, when given; with ``drafter``
     only, unless it is "auto"), the fastest; else the rule: ``precision`` or the most precise
-    target, with ``auto_drafter``'s drafter (or ``drafter``)."""
+    target, with ``auto_drafter``'s drafter (or ``drafter``).
+
+    ``requests`` > 1 (a server decoding that many at once): the race timed one request at a
+    time, and a precision fast alone can be slow in a batch (onnxruntime's 4-bit kernel with
+    FP32 activations unpacks its weights for every pass of more than one row). So the precision
+    is the raced one whose round of that many requests costs least in the profile
+    (``batched_cost_ms``), and the mode the fastest raced at it (its drafter is what a request
+    alone in the batch drafts with)."""
     from .pipeline import auto_drafter
     from .profile import load_profile
 
@@ -156,12 +178,19 @@ def choose_mode(manifest, engine_dir: str | Path, backend: str = "onnxruntime",
             wanted = None if drafter == "auto" else (drafter or "none")  # compared as spelled
             runs = [m for m in profile.modes if m.precision in pool and m.precision in faithful and m.exact
                     and (wanted is None or m.drafter == wanted)]
+            batch = ""
+            costs = {p: batched_cost_ms(profile, p, requests) for p in dict.fromkeys(m.precision for m in runs)}
+            if requests > 1 and len(costs) > 1 and None not in costs.values():
+                cheapest = min(costs, key=costs.get)
+                runs = [m for m in runs if m.precision == cheapest]
+                batch = (f"; for {requests} requests at once the {cheapest} target, whose round costs least here ("
+                         + ", ".join(f"{p} {ms:.1f} ms" for p, ms in costs.items()) + ")")
             if runs:
                 best = max(runs, key=lambda m: m.tokens_per_s)
                 return ModeChoice(best.precision, None if best.drafter == "none" else best.drafter,
                                   f"the fastest exact mode raced on this device: {best.tokens_per_s:.1f} tok/s, "
                                   f"{best.vs_reference:.2f}x plain {faithful[0]} ({best.equal}/{best.prompts} "
-                                  f"answers equal)")
+                                  f"answers equal){batch}")
             why = "no raced mode matches"
         elif profile is not None and status not in ("ok", "throttled"):
             why = f"this device's profile is {status}"

@@ -50,12 +50,14 @@ Prompt = str | Sequence[Mapping[str, str]]
 def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, backend: str = "onnxruntime",
          options: BackendOptions | None = None, verify_hashes: bool = True,
          scheduler: SchedulerConfig | bool | None = None, telemetry: Reader | None = None,
-         chat_template: str | Path | None = None) -> "Pipeline":
+         chat_template: str | Path | None = None, requests: int = 1) -> "Pipeline":
     """Open an engine folder. ``precision`` defaults to the most precise one exported;
     "auto" picks, among the precisions whose output is the model's own
     (``Manifest.faithful_precisions``), the one of the fastest decoding mode raced on this
     device (``dspark_edge.modes``; with ``drafter="auto"`` that mode's drafter too), else the
-    most precise.
+    most precise. ``requests``: how many requests the pipeline will decode at once
+    (``batch_slots``); above 1, "auto" takes the precision whose batched round costs least in
+    this device's profile (``modes.choose_mode``).
 
     ``drafter``: None (plain decoding), "dspark" / "dspark:<precision>" (the engine folder's
     DSpark drafter), "ngram" (prompt lookup, with the engine folder's corpus n-gram table
@@ -82,7 +84,8 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
         from .modes import choose_mode
 
         choice = choose_mode(manifest, engine_dir, backend, providers, None if precision == "auto" else precision,
-                             drafter if drafter is None or isinstance(drafter, str) else str(drafter))
+                             drafter if drafter is None or isinstance(drafter, str) else str(drafter),
+                             requests=requests)
         precision = choice.precision
         if drafter == "auto":
             drafter = choice.drafter

@@ -242,3 +242,43 @@ def test_a_mode_that_cannot_load_sits_the_race_out(tiny_engine, tmp_path):
     modes = measure_modes(engine, prompts=PROMPTS[:1], max_new_tokens=4, progress=seen.append)
     assert [(m.precision, m.drafter) for m in modes] == [("fp32", "none"), ("int4", "none")]
     assert any("fp32 + ngram+self: left out" in line for line in seen)
+
+
+def test_auto_for_several_requests_takes_the_precision_whose_batched_round_costs_least(tiny_engine, tmp_path,
+                                                                                      profiles):
+    """The race times one request at a time; a server decoding several at once takes the
+    precision whose round of that many requests costs least in the profile (its slots table,
+    else its verify curve), then that precision's fastest raced mode."""
+    from dspark_edge.modes import batched_cost_ms
+    from dspark_edge.profile import Timing
+
+    engine = _with_int4(tiny_engine, tmp_path)
+    m = read_manifest(engine)
+    modes = [ModeSpeed("fp32", "none", 10.0, 1.0, 2, 2, 8), ModeSpeed("fp32", "ngram+self", 14.0, 1.4, 2, 2, 8),
+             ModeSpeed("int4", "none", 20.0, 2.0, 2, 2, 8)]
+
+    def timing(role, precision, width, ms, slots=None):
+        return Timing(role=role, precision=precision, width=width, context=256, median_ms=ms, p90_ms=ms,
+                      **({"slots": slots} if slots else {}))
+
+    def save(timings):
+        path = _save_modes(engine, profiles, modes)
+        prof = load_profile(engine)[0]
+        save_profile(dspark_edge.profile.DeviceProfile(**{**prof.__dict__, "timings": tuple(timings)}), profiles)
+        return path
+
+    # int4: cheap alone (width 1), dear in a batch of 4; FP32 the reverse.
+    save([timing("target", "fp32", w, ms) for w, ms in ((1, 20.0), (4, 22.0))]
+         + [timing("target", "int4", w, ms) for w, ms in ((1, 11.0), (4, 28.0))])
+    alone, batched = choose_mode(m, engine), choose_mode(m, engine, requests=4)
+    assert (alone.precision, alone.drafter) == ("int4", None)
+    assert (batched.precision, batched.drafter) == ("fp32", "ngram+self")
+    assert "for 4 requests at once the fp32 target" in batched.reason and "int4 28.0 ms" in batched.reason
+    assert choose_mode(m, engine, requests=2).precision == "int4"  # width 2 not profiled: the race's choice
+    # The slots table, where profiled for that many requests, is the round's cost.
+    save([timing("target", p, w, 20.0) for p in ("fp32", "int4") for w in (1, 4)]
+         + [timing("slots", "fp32", 4, 30.0, slots=4), timing("slots", "int4", 4, 25.0, slots=4)])
+    assert batched_cost_ms(load_profile(engine)[0], "int4", 4) == 25.0
+    assert choose_mode(m, engine, requests=4).precision == "int4"
+    with dspark_edge.load(engine, "auto", drafter="auto", requests=4) as pipe:
+        assert pipe.target.precision == "int4" and "4 requests at once" in pipe.mode_reason

@@ -109,9 +109,10 @@ def load_engine(args, drafter=None, shared_threads: bool = False):
           f"{'' if args.no_verify_hashes else ', checking file hashes'}", file=sys.stderr, flush=True)
     pipe = load(args.engine, args.precision, drafter=drafter, backend=args.backend, options=options,
                 verify_hashes=not args.no_verify_hashes, scheduler=scheduler_config(args),
-                chat_template=getattr(args, "chat_template", None))
+                chat_template=getattr(args, "chat_template", None), requests=getattr(args, "parallel", 1))
     print(f"[load] ready in {time.perf_counter() - t0:.1f} s: target {pipe.target.precision}, drafter "
-          f"{pipe.drafter.name if pipe.drafter is not None else 'none'}", file=sys.stderr, flush=True)
+          f"{pipe.drafter.name if pipe.drafter is not None else 'none'}"
+          + (f" ({pipe.mode_reason})" if pipe.mode_reason else ""), file=sys.stderr, flush=True)
     return pipe
 
 
