@@ -282,3 +282,16 @@ def test_auto_for_several_requests_takes_the_precision_whose_batched_round_costs
     assert choose_mode(m, engine, requests=4).precision == "int4"
     with dspark_edge.load(engine, "auto", drafter="auto", requests=4) as pipe:
         assert pipe.target.precision == "int4" and "4 requests at once" in pipe.mode_reason
+
+
+def test_a_profile_holding_only_a_race_measures_the_pass_cost_without_a_warning(tiny_engine, profiles, caplog):
+    """The demo's first run writes a profile with the modes race and no timings: loading then
+    measures the pass cost as without a profile, and says so at info level, not as a fault."""
+    import logging
+
+    _save_modes(tiny_engine, profiles, [ModeSpeed("fp32", "none", 10.0, 1.0, 2, 2, 8)])
+    with caplog.at_level(logging.INFO, logger="dspark_edge"):
+        with dspark_edge.load(tiny_engine, "fp32", drafter="ngram") as pipe:
+            assert pipe.profile_status == "untimed" and pipe.scheduler is not None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "measuring the fp32 pass cost now" in caplog.text
