@@ -179,8 +179,9 @@ def choose_mode(manifest, engine_dir: str | Path, backend: str = "onnxruntime",
             runs = [m for m in profile.modes if m.precision in pool and m.precision in faithful and m.exact
                     and (wanted is None or m.drafter == wanted)]
             batch = ""
-            costs = {p: batched_cost_ms(profile, p, requests) for p in dict.fromkeys(m.precision for m in runs)}
-            if requests > 1 and len(costs) > 1 and None not in costs.values():
+            costs = {p: batched_cost_ms(profile, p, requests)
+                     for p in dict.fromkeys(m.precision for m in runs)} if requests > 1 else {}
+            if len(costs) > 1 and None not in costs.values():
                 cheapest = min(costs, key=costs.get)
                 runs = [m for m in runs if m.precision == cheapest]
                 batch = (f"; for {requests} requests at once the {cheapest} target, whose round costs least here ("
