@@ -70,8 +70,13 @@ def build_llama_server() -> None:
         with tarfile.open(archive) as tar:
             tar.extractall(CACHE, filter="data")
     say("[build] llama-server (about 10 minutes on 2 cores)")
+    # Native code without ggml's AMX kernels: on a virtual machine whose CPU reports AMX, its
+    # tile instructions died with SIGILL (the kernel did not grant the tile state). GCC keeps an
+    # explicit -mno-* over what -march=native implies, whatever their order.
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     run(["cmake", "-S", LLAMA, "-B", LLAMA / "build", "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-         "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], 600)
+         "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+         f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"], 600)
     run(["cmake", "--build", LLAMA / "build", "-j", str(os.cpu_count() or 2), "--target", "llama-server"], 3600)
 
 
