@@ -184,14 +184,14 @@ def choose_mode(manifest, engine_dir: str | Path, backend: str = "onnxruntime",
             if len(costs) > 1 and None not in costs.values():
                 cheapest = min(costs, key=costs.get)
                 runs = [m for m in runs if m.precision == cheapest]
-                batch = (f"; for {requests} requests at once the {cheapest} target, whose round costs least here ("
-                         + ", ".join(f"{p} {ms:.1f} ms" for p, ms in costs.items()) + ")")
+                batch = (f"for {requests} requests at once the {cheapest} target, whose round of them costs least "
+                         "here (" + ", ".join(f"{p} {ms:.1f} ms" for p, ms in costs.items()) + "); its ")
             if runs:
                 best = max(runs, key=lambda m: m.tokens_per_s)
+                raced = (f"fastest exact mode raced on this device: {best.tokens_per_s:.1f} tok/s, "
+                         f"{best.vs_reference:.2f}x plain {faithful[0]} ({best.equal}/{best.prompts} answers equal)")
                 return ModeChoice(best.precision, None if best.drafter == "none" else best.drafter,
-                                  f"the fastest exact mode raced on this device: {best.tokens_per_s:.1f} tok/s, "
-                                  f"{best.vs_reference:.2f}x plain {faithful[0]} ({best.equal}/{best.prompts} "
-                                  f"answers equal){batch}")
+                                  batch + raced if batch else "the " + raced)
             why = "no raced mode matches"
         elif profile is not None and status not in ("ok", "throttled"):
             why = f"this device's profile is {status}"
