@@ -2,6 +2,7 @@
 
     python bench/serve_load.py --engine engines/smollm2-135m [--clients 1,2,4] [--drafters none,auto] [--precisions auto]
         [--parallel 1,c] [--shared-verify on,off] [--llama-gguf .cache/llamacpp/work/target-f32.gguf] [--requests 8] [--max-tokens 64]
+        [--rounds 3]
 
 For each concurrency c, each server in turn (dspark_edge at each ``--precisions`` setting with each
 drafter at each ``--parallel`` setting, "c" standing for the concurrency: ``serve --parallel c`` batches the requests, with
@@ -13,7 +14,10 @@ c client threads send the project's benchmark prompts (chat completions, streame
 answered. Every server runs on 127.0.0.1 and is stopped when its turn ends; every request has a
 time limit. Prints JSON per server and concurrency: total decode throughput (completion tokens
 over the wall time), per-request decode tok/s (median), time to first token p50/p99 and
-per-token latency p50/p99 (between streamed chunks).
+per-token latency p50/p99 (between streamed chunks). With ``--rounds R`` the servers of each
+concurrency take turns R times (one measurement each per round, so machine drift hits all alike)
+and a summary gives each one's median and range over the rounds: one measurement of a server on
+a 2-core machine can be 15 % off the next.
 """
 
 from __future__ import annotations
@@ -108,6 +112,23 @@ def load(url: str, model: str, prompts: list, clients: int, requests: int, max_t
             "token_ms_p50": percentile(gaps, 0.5), "token_ms_p99": percentile(gaps, 0.99)}
 
 
+def summarise(runs: list[dict]) -> list[dict]:
+    """Per (server, clients): median, min and max over the rounds of the total and per-request
+    rates and of the first token's p50."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["server"], r["clients"]), []).append(r)
+    out = []
+    for (server, clients), rows in groups.items():
+        entry = {"server": server, "clients": clients, "rounds": len(rows)}
+        for key, field in (("total_tok_s", "total_tok_s"), ("per_request_tok_s", "per_request_tok_s_median"),
+                           ("ttft_ms_p50", "ttft_ms_p50")):
+            xs = [r[field] for r in rows if r[field] is not None]
+            entry[key] = {"median": round(statistics.median(xs), 2), "min": min(xs), "max": max(xs)} if xs else None
+        out.append(entry)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", type=Path, required=True)
@@ -122,7 +143,10 @@ def main() -> int:
                                                           "('on,off'; default: %(default)s)")
     ap.add_argument("--requests", type=int, default=8, help="requests per server and concurrency")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1, help="turns of every server per concurrency (default: %(default)s)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
     from dspark_edge.bench import load_prompts
 
@@ -146,7 +170,7 @@ def main() -> int:
                                                               str(clients), "-c", str(4096 * clients), "-t",
                                                               str(os.cpu_count() or 2), "--no-warmup"],
                             {"ignore_eos": True}))
-        for name, cmd, extra in servers:
+        for rnd, (name, cmd, extra) in [(r, srv) for r in range(args.rounds) for srv in servers]:
             port = free_port()
             proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
@@ -160,9 +184,15 @@ def main() -> int:
                     proc.wait(30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-            report["runs"].append({"server": name, "clients": clients, **row})
-            print(f"[{name}, {clients} clients] {row['total_tok_s']} tok/s total, "
+            report["runs"].append({"server": name, "clients": clients, "round": rnd + 1, **row})
+            print(f"[{name}, {clients} clients, round {rnd + 1}] {row['total_tok_s']} tok/s total, "
                   f"{row['per_request_tok_s_median']} per request", file=sys.stderr, flush=True)
+    if args.rounds > 1:
+        report["summary"] = summarise(report["runs"])
+        for row in report["summary"]:
+            print(f"[{row['server']}, {row['clients']} clients] total {row['total_tok_s']['median']} tok/s "
+                  f"({row['total_tok_s']['min']}–{row['total_tok_s']['max']}), per request "
+                  f"{row['per_request_tok_s']['median']}", file=sys.stderr)
     print(json.dumps(report, indent=1))
     return 0
 
