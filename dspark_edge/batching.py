@@ -157,7 +157,7 @@ class BatchRunner:
         elif self.slots_pass is not None and measure:
             self.measure_passes(max(model.widths))
         self.copy = None  # the self drafter's copy (a DecoderModel) running over the same rows
-        if measure:  # also onnxruntime's first run at each row count, which costs ~0.3 s on a CPU
+        if measure:  # also the warm-up: onnxruntime sets up buffers on its first run at each row count
             self.measure_rows()
         self.choices: dict[int, dict] = {}  # each offering slot's last joint choice, for its round's record
         self._cond = threading.Condition()
@@ -204,8 +204,7 @@ class BatchRunner:
         against the slots pass; the batched passes run since then update it). Called when the
         runner opens, it is also the warm-up: onnxruntime's first pass at each new row count
         sets up its buffers, which the first requests would otherwise wait for. Runs on rows
-        whose caches are empty, at position 0 (nothing is committed there yet). About a second
-        for 4 slots on a CPU."""
+        whose caches are empty, at position 0 (nothing is committed there yet)."""
         ids = np.zeros((self.slots, 1), dtype=np.int64)
         mask = np.ones((self.slots, 1), dtype=np.int64)
         for m in range(1, self.slots + 1):
