@@ -74,6 +74,8 @@ def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, 
     reader it samples (default: this machine's ``SystemReader``). ``chat_template``: the path
     of a Jinja chat template to use instead of the engine folder's.
     """
+    if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
+        raise ConfigError(f"requests (how many requests decode at once) must be an integer >= 1, got {requests!r}")
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
     providers = (options or BackendOptions()).providers

@@ -282,6 +282,9 @@ def test_auto_for_several_requests_takes_the_precision_whose_batched_round_costs
     assert choose_mode(m, engine, requests=4).precision == "int4"
     with dspark_edge.load(engine, "auto", drafter="auto", requests=4) as pipe:
         assert pipe.target.precision == "int4" and "4 requests at once" in pipe.mode_reason
+    for bad in (0, -2, "4", 2.0, True):
+        with pytest.raises(dspark_edge.ConfigError, match="requests"):
+            dspark_edge.load(engine, "auto", requests=bad)
 
 
 def test_a_profile_holding_only_a_race_measures_the_pass_cost_without_a_warning(tiny_engine, profiles, caplog):
