@@ -189,10 +189,10 @@ def build_graph(hf_dir: Path, out_dir: Path, precision: str, hidden_layers: tupl
         tail = log_path.read_text(errors="replace").replace("\r", "\n").splitlines()[-15:]
         raise ExportError(f"the graph builder failed for {precision} (exit {proc.returncode}):\n  "
                           + "\n  ".join(tail))
-    # Keep only the graph and its weights: the manifest is the one description of the folder.
-    for extra in [] if keep_all else out_dir.iterdir():
-        if extra.name not in ("model.onnx", "model.onnx.data"):
-            shutil.rmtree(extra) if extra.is_dir() else extra.unlink()
+    if not keep_all:  # only the graph and its weights: the manifest is the one description of the folder
+        for extra in out_dir.iterdir():
+            if extra.name not in ("model.onnx", "model.onnx.data"):
+                shutil.rmtree(extra) if extra.is_dir() else extra.unlink()
     if not (out_dir / "model.onnx").is_file():
         raise ExportError(f"the graph builder wrote no model.onnx for {precision}; see {log_path}")
 
