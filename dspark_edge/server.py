@@ -85,11 +85,12 @@ def _number(body: dict, name: str, default, low: float, high: float, integer: bo
     return value
 
 
-def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, GenerationConfig, bool]:
-    """(prompt, generation config, stream) of an OpenAI request body, every field it uses checked.
-    ``ignore_eos`` (as llama-server and vLLM take it) decodes ``max_tokens`` whatever the model
-    says, for benchmarks. Fields it does not use (``model``, ``user``, ``stream_options``, …) are
-    ignored."""
+def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, GenerationConfig, bool, bool]:
+    """(prompt, generation config, stream, include_usage) of an OpenAI request body, every field
+    it uses checked. ``ignore_eos`` (as llama-server and vLLM take it) decodes ``max_tokens``
+    whatever the model says, for benchmarks. ``stream_options.include_usage`` (streams only, as
+    OpenAI's API has it) adds a last event with the token counts and no choices. Fields it does
+    not use (``model``, ``user``, …) are ignored."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     if chat:
@@ -129,6 +130,14 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
     stream, ignore_eos = body.get("stream", False), body.get("ignore_eos", False)
     if not isinstance(stream, bool) or not isinstance(ignore_eos, bool):
         raise BadRequest("'stream' and 'ignore_eos' must be true or false", "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise BadRequest("'stream_options' is only allowed with \"stream\": true", "stream_options")
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise BadRequest("'stream_options' must be an object such as {\"include_usage\": true}", "stream_options")
+        include_usage = options.get("include_usage", False)
     gen = GenerationConfig(max_new_tokens=max_tokens,
                            temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
                            top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)), seed=seed, stop=stop,
@@ -136,7 +145,7 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
                            # a seed makes the answer a function of the seed alone, whatever the
                            # scheduler chose under the server's load at the time
                            sampling="rejection" if seed is None else "coupled")
-    return prompt, gen, stream
+    return prompt, gen, stream, include_usage
 
 
 # --- the worker --------------------------------------------------------------------------------
@@ -300,7 +309,7 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
         if not authorised(request):
             return fail(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
         try:
-            prompt, gen, stream = parse_request(await read_json(request), chat, cfg)
+            prompt, gen, stream, include_usage = parse_request(await read_json(request), chat, cfg)
         except BadRequest as exc:
             return fail(exc.status, str(exc), exc.kind, exc.param)
         job = Job(prompt, gen, asyncio.get_running_loop())
@@ -320,7 +329,7 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
         created = int(time.time())
         if stream:
             counters["requests"]("200")
-            return StreamingResponse(_sse(request, job, rid, created, chat, cfg.model, next_event),
+            return StreamingResponse(_sse(request, job, rid, created, chat, cfg.model, next_event, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text = ""
         while True:
@@ -405,18 +414,24 @@ def _response(rid: str, created: int, chat: bool, model: str, text: str, result)
                        "draft_n": result.stats.draft_n, "draft_n_accepted": result.stats.draft_n_accepted}}
 
 
-async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str, next_event):
-    """Server-sent events of one answer; a client that goes away cancels the job (finally)."""
+async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str, next_event,
+               include_usage: bool = False):
+    """Server-sent events of one answer; a client that goes away cancels the job (finally).
+    With ``include_usage`` every event carries ``"usage": null`` and a last one, after the
+    finish reason, the answer's token counts with no choices (OpenAI's ``stream_options``)."""
     kind_name = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choices: list, **extra) -> str:
+        body = {"id": rid, "object": kind_name, "created": created, "model": model, "choices": choices}
+        if include_usage:
+            body["usage"] = None
+        return "data: " + json.dumps(body | extra) + "\n\n"
 
     def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
         if chat:
             d = ({"role": "assistant", "content": ""} if first else {}) | ({"content": delta} if delta else {})
-            choice = {"index": 0, "delta": d, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-        return "data: " + json.dumps({"id": rid, "object": kind_name, "created": created, "model": model,
-                                      "choices": [choice]}) + "\n\n"
+            return event([{"index": 0, "delta": d, "finish_reason": finish}])
+        return event([{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}])
 
     try:
         if chat:
@@ -437,6 +452,8 @@ async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str
                     yield "data: " + json.dumps(error_body("the request ran past --request-timeout", "timeout")) + "\n\n"
                 else:
                     yield chunk(None, FINISH.get(payload.stop_reason, "stop"))
+                    if include_usage:
+                        yield event([], usage=_usage(payload))
                 yield "data: [DONE]\n\n"
                 return
     finally:

@@ -87,6 +87,14 @@ def test_streamed_chat_and_completions_equal_the_pipelines_answers(served):
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(
         model="tiny", prompt="def add(a, b):", max_tokens=20, temperature=0, stream=True))
     assert streamed == r.choices[0].text
+    counted = list(c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,
+                                             stream=True, stream_options={"include_usage": True}))
+    want = ref.generate(MESSAGES, max_new_tokens=24)
+    # OpenAI's shape: every event has usage null but the last, which has no choices and the counts
+    assert all(ch.usage is None for ch in counted[:-1]) and counted[-1].choices == []
+    assert (counted[-1].usage.completion_tokens, counted[-1].usage.prompt_tokens) == (len(want.token_ids),
+                                                                                       want.stats.prompt_tokens)
+    assert "".join(ch.choices[0].delta.content or "" for ch in counted[:-1]) == want.text
     long = c.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=60, temperature=0,
                                 extra_body={"ignore_eos": True})
     assert long.usage.completion_tokens == 60  # as llama-server and vLLM take it: decode max_tokens
@@ -140,6 +148,8 @@ def test_a_client_leaving_mid_stream_cancels_its_request(served):
     ({"messages": MESSAGES, "n": 2}, 400, "'n' must be"),
     ({"messages": MESSAGES, "max_tokens": 100000}, 400, "'max_tokens' must be"),
     ({"messages": MESSAGES, "stop": [1, 2]}, 400, "'stop' must be"),
+    ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "only allowed with"),
+    ({"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "'stream_options' must"),
     ({"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "context"),
     ({"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, "bytes"),
 ])
