@@ -226,16 +226,20 @@ def race_and_save(engine_dir: str | Path, progress: Callable[[str], None] | None
                   folder: Path | None = None, options=None) -> Path:
     """Race the engine's modes (``measure_modes`` with ``options``) and keep them in this
     device's profile (its timings kept where they are of this engine's graphs). Returns the
-    profile's path."""
-    from .profile import load_profile, profile_with_modes, save_profile
+    profile's path. With ``folder``, the modes are timed on that folder's profile of this
+    device (or none), the one they are kept with, not on the one loading would find first."""
+    from contextlib import nullcontext
+
+    from .profile import load_profile, profile_in_hand, profile_with_modes, save_profile
     from .telemetry import SystemReader
 
     t0 = time.perf_counter()
+    existing, _ = load_profile(engine_dir, folder)  # a stale one keeps the timings that still apply
     reader = SystemReader()
     reader.read()  # the next reading's load is over the race
-    modes = measure_modes(engine_dir, progress=progress, options=options)
+    with profile_in_hand(existing) if folder is not None else nullcontext():
+        modes = measure_modes(engine_dir, progress=progress, options=options)
     reading = reader.read()
-    existing, _ = load_profile(engine_dir, folder)  # a stale one keeps the timings that still apply
     path = save_profile(profile_with_modes(engine_dir, modes, reading, existing), folder)
     log.info("raced %d decoding modes in %.0f s; kept in %s", len(modes), time.perf_counter() - t0, path)
     return path

@@ -23,6 +23,9 @@ import platform
 import re
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +39,10 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 MAX_PROFILE_BYTES = 4 << 20
 SHIPPED_DIR = Path(__file__).resolve().parent / "profiles"  # package data: profiles of known devices
+# The profile a mode race is timed with while it is being made (``profile_in_hand``); _SEARCH:
+# none in hand, the folders are searched.
+_SEARCH = object()
+_IN_HAND: ContextVar = ContextVar("dspark_edge_profile_in_hand", default=_SEARCH)
 
 
 @dataclass(frozen=True)
@@ -297,14 +304,38 @@ def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512
     if modes:
         from .modes import measure_modes
 
-        raced = measure_modes(engine_dir, progress=progress, options=mode_options)
-        note()
-    return DeviceProfile(
-        **_stamp(), engine=manifest.model.name, modes=raced,
+    measured = DeviceProfile(
+        **_stamp(), engine=manifest.model.name, modes=(),
         precision_sha256={p: _graphs_sha(manifest, p) for p in manifest.precisions("target")},
         engine_sha256=_graphs_sha(manifest, None),
         max_temp_c=max(temps) if temps else None, cpu_other_percent=float(np.median(others)) if others else 0.0,
         throttled=throttled, timings=tuple(timings))
+    if not modes:
+        return measured
+    from dataclasses import replace
+
+    from .modes import measure_modes
+
+    with profile_in_hand(measured):  # the modes run on the pass costs just measured, as they will later
+        raced = measure_modes(engine_dir, progress=progress, options=mode_options)
+    note()
+    return replace(measured, modes=raced, max_temp_c=max(temps) if temps else None,
+                   cpu_other_percent=float(np.median(others)) if others else 0.0, throttled=throttled)
+
+
+@contextmanager
+def profile_in_hand(profile: DeviceProfile | None) -> Iterator[None]:
+    """Within the block (this thread or task), ``load_profile`` without a folder answers with
+    ``profile`` (None: as if this device had none), its status judged against the engine as for
+    one read from disk, instead of searching the profile folders. A mode race run while a
+    profile is made uses it: the modes are timed on the pass costs that loading later reads, not
+    on costs measured at load (no profile saved yet) or on another folder's profile of this
+    device."""
+    token = _IN_HAND.set(profile)
+    try:
+        yield
+    finally:
+        _IN_HAND.reset(token)
 
 
 def profile_with_modes(engine_dir: str | Path, modes: tuple[ModeSpeed, ...], reading,
@@ -497,6 +528,11 @@ def load_profile(engine_dir: str | Path, folder: Path | None = None) -> tuple[De
     """This device's profile for ``engine_dir`` and a status: "ok", "missing", "stale" (the engine
     changed since), "throttled" (measured while the device was throttling), or "corrupt" (not
     readable, or a link out of its folder: ignored with a warning)."""
+    held = _IN_HAND.get() if folder is None else _SEARCH
+    if held is None:
+        return None, "missing"
+    if held is not _SEARCH:
+        return _with_status(held, engine_dir)
     key, _ = device_identity()
     folders = [folder] if folder is not None else profile_dirs()
     found = [f for f in folders if (f / f"{key}.json").is_file()]
@@ -513,6 +549,10 @@ def load_profile(engine_dir: str | Path, folder: Path | None = None) -> tuple[De
     except ConfigError as exc:  # a corrupt profile must not block loading: the cost is measured instead
         log.warning("device profile ignored: %s", exc)
         return None, "corrupt"
+    return _with_status(profile, engine_dir)
+
+
+def _with_status(profile: DeviceProfile, engine_dir: str | Path) -> tuple[DeviceProfile, str]:
     if profile.engine_sha256 != manifest_sha(Path(engine_dir)):
         return profile, "stale"
     return profile, "throttled" if profile.throttled else "ok"

@@ -298,3 +298,54 @@ def test_a_profile_holding_only_a_race_measures_the_pass_cost_without_a_warning(
             assert pipe.profile_status == "untimed" and pipe.scheduler is not None
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert "measuring the fp32 pass cost now" in caplog.text
+
+
+def _timed_profile(engine, ms: float):
+    from dspark_edge.profile import Timing
+
+    key, ident = device_identity()
+    return dspark_edge.profile.DeviceProfile(
+        schema_version=1, device_key=key, device=ident, engine="tiny", engine_sha256=manifest_sha(engine),
+        versions={}, created_utc="now", max_temp_c=None, cpu_other_percent=0.0, throttled=False,
+        timings=tuple(Timing("target", "fp32", w, 64, ms * w, ms * w) for w in (1, 2, 3, 4)))
+
+
+def _spy_on_races(monkeypatch, engine):
+    """measure_modes, recording the profile that loading finds while each race runs."""
+    import dspark_edge.modes as modes
+
+    seen, real = [], modes.measure_modes
+
+    def spy(engine_dir, **kw):
+        prof, status = load_profile(engine_dir)
+        with dspark_edge.load(engine_dir, "fp32", drafter="ngram") as pipe:
+            seen.append((status, prof.timings if prof is not None else None, pipe.profile_status))
+        return real(engine_dir, **{**kw, "prompts": PROMPTS, "max_new_tokens": 8})
+
+    monkeypatch.setattr(modes, "measure_modes", spy)
+    return seen
+
+
+def test_a_profiles_race_runs_on_the_pass_costs_it_has_just_measured(tiny_engine, profiles, monkeypatch):
+    """Not on costs measured at load (nothing is saved yet), nor on another profile of this
+    device that loading would find: the race times the modes as they will run."""
+    from dspark_edge.profile import measure_profile
+
+    save_profile(_timed_profile(tiny_engine, 9.0), profiles)  # what loading finds outside the race
+    seen = _spy_on_races(monkeypatch, tiny_engine)
+    prof = measure_profile(tiny_engine, contexts=(8,), warmup=1, reps=2, slots=())
+    assert seen == [("ok", prof.timings, "ok")] and len(prof.modes) == 2
+    assert load_profile(tiny_engine)[0].timings == _timed_profile(tiny_engine, 9.0).timings  # the block ended
+
+
+def test_race_and_save_into_a_folder_races_on_that_folders_profile(tiny_engine, tmp_path, profiles, monkeypatch):
+    other = tmp_path / "other"
+    save_profile(_timed_profile(tiny_engine, 9.0), profiles)  # first on the search path
+    kept = _timed_profile(tiny_engine, 2.0)
+    save_profile(kept, other)
+    seen = _spy_on_races(monkeypatch, tiny_engine)
+    race_and_save(tiny_engine, folder=other)
+    assert seen == [("ok", kept.timings, "ok")]
+    race_and_save(tiny_engine, folder=tmp_path / "empty")  # no profile there: raced as without one
+    assert seen[1][:2] == ("missing", None) and seen[1][2] != "ok"
+    assert load_profile(tiny_engine, other)[0].timings == kept.timings and load_profile(tiny_engine, other)[0].modes
