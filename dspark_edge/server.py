@@ -74,6 +74,17 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 
 # --- request parsing ---------------------------------------------------------------------------
+# OpenAI fields that would change the answer and that this server does not honour, with the
+# values that ask for nothing (what OpenAI's clients send by default): another value is refused
+# by name rather than ignored, so a client never takes an answer for what it did not ask.
+UNHONOURED = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+}
+
+
 def _number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
     value = body.get(name, default)
     if value is None:
@@ -85,12 +96,21 @@ def _number(body: dict, name: str, default, low: float, high: float, integer: bo
     return value
 
 
+def _same(value: Any, neutral: Any) -> bool:
+    """JSON equality with true and false apart from 1 and 0 (0 and 0.0 alike)."""
+    if isinstance(neutral, bool) or isinstance(value, bool):
+        return value is neutral
+    return value == neutral
+
+
 def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, GenerationConfig, bool, bool]:
     """(prompt, generation config, stream, include_usage) of an OpenAI request body, every field
     it uses checked. ``ignore_eos`` (as llama-server and vLLM take it) decodes ``max_tokens``
     whatever the model says, for benchmarks. ``stream_options.include_usage`` (streams only, as
-    OpenAI's API has it) adds a last event with the token counts and no choices. Fields it does
-    not use (``model``, ``user``, …) are ignored."""
+    OpenAI's API has it) adds a last event with the token counts and no choices. Fields that would
+    change the answer and are not honoured (``UNHONOURED``: logprobs, tools, penalties, …) are
+    refused unless they ask for nothing; fields that do not change it (``model``, ``user``, …)
+    are ignored."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     if chat:
@@ -112,6 +132,11 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
             raise BadRequest("'prompt' must be a non-empty string (one prompt per request)", "prompt")
     if _number(body, "n", 1, 1, 1, integer=True) != 1:
         raise BadRequest("'n' must be 1", "n")
+    for name, neutral in UNHONOURED.items():
+        value = body.get(name)
+        if not any(_same(value, v) for v in neutral):
+            raise BadRequest(f"'{name}' is not supported by this server; leave it out (or send "
+                             f"{json.dumps(neutral[1])}), got {json.dumps(value)[:80]}", name)
     stop = body.get("stop")
     if stop is None:
         stop = ()

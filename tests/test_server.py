@@ -95,6 +95,10 @@ def test_streamed_chat_and_completions_equal_the_pipelines_answers(served):
     assert (counted[-1].usage.completion_tokens, counted[-1].usage.prompt_tokens) == (len(want.token_ids),
                                                                                        want.stats.prompt_tokens)
     assert "".join(ch.choices[0].delta.content or "" for ch in counted[:-1]) == want.text
+    # the values that ask for nothing, as clients send them by default, are taken
+    neutral = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, logprobs=False,
+                                        presence_penalty=0.0, frequency_penalty=0, response_format={"type": "text"})
+    assert neutral.choices[0].message.content == ref.generate(MESSAGES, max_new_tokens=24).text
     long = c.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=60, temperature=0,
                                 extra_body={"ignore_eos": True})
     assert long.usage.completion_tokens == 60  # as llama-server and vLLM take it: decode max_tokens
@@ -149,6 +153,11 @@ def test_a_client_leaving_mid_stream_cancels_its_request(served):
     ({"messages": MESSAGES, "max_tokens": 100000}, 400, "'max_tokens' must be"),
     ({"messages": MESSAGES, "stop": [1, 2]}, 400, "'stop' must be"),
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "only allowed with"),
+    # what would change the answer and is not honoured is refused by name, not ignored
+    ({"messages": MESSAGES, "logprobs": True}, 400, "'logprobs' is not supported"),
+    ({"messages": MESSAGES, "presence_penalty": 0.5}, 400, "'presence_penalty' is not supported"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "'response_format' is not supported"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not"),
     ({"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "'stream_options' must"),
     ({"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "context"),
     ({"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, "bytes"),
