@@ -524,10 +524,13 @@ def _say_missing(folders: list[Path], key: str) -> None:
                 "profile --engine ENGINE` to keep one for this device", key, where, ", ".join(others))
 
 
-def load_profile(engine_dir: str | Path, folder: Path | None = None) -> tuple[DeviceProfile | None, str]:
+def load_profile(engine_dir: str | Path, folder: Path | None = None,
+                 quiet: bool = False) -> tuple[DeviceProfile | None, str]:
     """This device's profile for ``engine_dir`` and a status: "ok", "missing", "stale" (the engine
     changed since), "throttled" (measured while the device was throttling), or "corrupt" (not
-    readable, or a link out of its folder: ignored with a warning)."""
+    readable, or a link out of its folder: ignored with a warning). ``quiet``: a caller that only
+    asks whether there is one (``modes.needs_race``) leaves the warning about a missing profile
+    to the load that will use it."""
     held = _IN_HAND.get() if folder is None else _SEARCH
     if held is None:
         return None, "missing"
@@ -537,7 +540,8 @@ def load_profile(engine_dir: str | Path, folder: Path | None = None) -> tuple[De
     folders = [folder] if folder is not None else profile_dirs()
     found = [f for f in folders if (f / f"{key}.json").is_file()]
     if not found:
-        _say_missing(folders, key)
+        if not quiet:
+            _say_missing(folders, key)
         return None, "missing"
     folder = found[0]
     path = folder / f"{key}.json"

@@ -31,6 +31,7 @@ measured rates. --plot writes a timeline of width, acceptance, tok/s and telemet
 from __future__ import annotations
 
 import argparse
+import logging
 import subprocess
 import sys
 import time
@@ -294,6 +295,8 @@ def main() -> int:
                     help="comma-separated onnxruntime execution providers, e.g. "
                          "CUDAExecutionProvider,CPUExecutionProvider (default: %(default)s)")
     args = ap.parse_args()
+    # The library logs; shown as the command line shows them (warnings and up, named).
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     live = sys.stdout.isatty() and not args.plain
     if live:

@@ -349,3 +349,16 @@ def test_race_and_save_into_a_folder_races_on_that_folders_profile(tiny_engine, 
     race_and_save(tiny_engine, folder=tmp_path / "empty")  # no profile there: raced as without one
     assert seen[1][:2] == ("missing", None) and seen[1][2] != "ok"
     assert load_profile(tiny_engine, other)[0].timings == kept.timings and load_profile(tiny_engine, other)[0].modes
+
+
+def test_asking_whether_to_race_leaves_the_missing_profile_warning_to_the_load(tiny_engine, tmp_path, profiles,
+                                                                                caplog):
+    """The demo asks before it races in a process of its own, which warns: said once, not twice."""
+    engine = _with_int4(tiny_engine, tmp_path)
+    save_profile(_timed_profile(engine, 1.0), profiles).rename(profiles / "another-device.json")
+    with caplog.at_level("WARNING"):
+        assert needs_race(read_manifest(engine), engine)
+    assert "no device profile" not in caplog.text
+    with caplog.at_level("WARNING"):
+        assert load_profile(engine) == (None, "missing")
+    assert "no device profile for this device" in caplog.text and "another-device" in caplog.text
