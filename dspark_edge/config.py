@@ -75,6 +75,15 @@ class GenerationConfig:
     ``special_in_content``: chat message content is tokenized as text (a special-token string
     in it cannot end or open a turn); True reads such strings as control tokens.
 
+    ``reuse_prefix``: start from the K/V this pipeline kept of its previous generation (its
+    prompt and answer) for the longest prefix the new prompt shares with them, and prefill only
+    the rest: a chat's next turn prefills its new message, not the whole history. Those K/V
+    were computed by passes of other widths than a fresh prefill's, so the logits can differ
+    from a fresh generation's in the last bits (as speculative decoding's do from plain
+    decoding's); off by default, so the same call gives the same answer whatever ran before.
+    A drafter that reads the target's hidden states (DSpark) needs the whole prompt's, and a
+    batched slot has no cache of its own: both prefill from scratch.
+
     ``sampling`` (temperature > 0): "rejection" (default) verifies drafts by rejection
     sampling; "coupled" draws the token of every answer position with noise seeded by
     (seed, position) and accepts a draft only where it equals that token, so the answer
@@ -96,6 +105,7 @@ class GenerationConfig:
     min_survival: float = 0.3  # keep draft j while the drafter's survival prod(c_1..c_{j-1}) >= this
     sampling: Literal["rejection", "coupled"] = "rejection"
     special_in_content: bool = False  # True: special-token strings in chat content are control tokens
+    reuse_prefix: bool = False  # True: reuse the kept K/V of the prefix shared with the last generation
 
     def __post_init__(self) -> None:
         import numpy as np
@@ -160,6 +170,7 @@ class GenerationStats:
     verify_s: float = 0.0
     drafter_disabled: str | None = None
     modes: dict[str, int] = field(default_factory=dict)  # scheduler rounds per mode (normal/hot/parked/probe)
+    prompt_reused: int = 0  # prompt tokens whose K/V came from the previous generation (reuse_prefix)
 
     @property
     def total_s(self) -> float:

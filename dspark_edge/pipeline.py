@@ -195,6 +195,9 @@ class Pipeline:
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(manifest.tokenizer.eos_ids)
         self._cache = target.new_cache()
+        # The ids whose K/V ``_cache`` holds at positions 0… after the last generation, for
+        # ``GenerationConfig.reuse_prefix``; empty whenever the cache holds nothing reusable.
+        self._kept: tuple[int, ...] = ()
         self._lock = threading.Lock()
         self._shared = shared or _SharedTarget()
         self._streams: weakref.WeakSet = weakref.WeakSet()  # open streams, cancelled by close()
@@ -504,7 +507,17 @@ class TextStream:
         st = spec.stats
         detok = IncrementalDecoder(p.tokenizer)
         cache = p._cache
-        cache.reset()
+        kept, p._kept = p._kept, ()  # claimed: valid again only if this generation ends cleanly
+        reuse = 0
+        # A drafter that reads hidden states needs the whole prompt's; a batched slot's cache is
+        # the runner's row, not the pipeline's.
+        if cfg.reuse_prefix and spec.hidden_rows is None and p._slot is None and cache.length == len(kept):
+            # The shared prefix, less the prompt's last token: its pass gives the first logits.
+            reuse = _shared_prefix(kept, self._prompt_ids, len(self._prompt_ids) - 1)
+        if reuse:
+            cache.rollback(reuse)
+        else:
+            cache.reset()
         text, emitted = "", 0
         hold = max((len(s) for s in cfg.stop), default=1) - 1  # chars that may start a stop string
         stop_reason, error = "max_new_tokens", None
@@ -514,7 +527,8 @@ class TextStream:
         try:
             if cfg.max_new_tokens > 0:
                 committed = list(self._prompt_ids)
-                out = p.target.prefill(cache, np.asarray(committed, dtype=np.int64), hidden_sink=spec.hidden_rows)
+                out = p.target.prefill(cache, np.asarray(committed[reuse:], dtype=np.int64),
+                                       hidden_sink=spec.hidden_rows)
                 new = [coupled_choice(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, seed, 0) if coupled
                        else choose(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, rng)]
                 prefill_s = time.perf_counter() - t0
@@ -554,6 +568,9 @@ class TextStream:
                     cut = _find_stop(text, cfg.stop, max(0, emitted - hold))
                     if cut is not None:
                         text, stop_reason = text[:cut], "stop_string"
+            if cfg.reuse_prefix and p._slot is None and stop_reason != "cancelled" \
+                    and cfg.max_new_tokens > 0 and cache.length == len(committed):
+                p._kept = tuple(committed)  # the prompt and the answer but its last token (never run)
         except DSparkError as exc:
             stop_reason, error = "error", str(exc)
             log.error("generation failed after %d tokens: %s", len(self.token_ids), exc)
@@ -561,13 +578,14 @@ class TextStream:
             stop_reason, error = "error", f"{type(exc).__name__}: {exc}"
             log.exception("generation failed after %d tokens", len(self.token_ids))
         finally:
-            cache.reset()
+            if not p._kept:
+                cache.reset()
         total = time.perf_counter() - t0
         stats = st.finish(prompt_tokens=len(self._prompt_ids), new_tokens=len(self.token_ids),
                           prompt_truncated=self._truncated, prefill_s=prefill_s,
                           decode_s=max(0.0, total - prefill_s),
                           drafter=p.drafter.name if (p.drafter is not None and cfg.speculative) else "none",
-                          drafter_disabled=spec.disabled, modes=dict(st.modes))
+                          drafter_disabled=spec.disabled, modes=dict(st.modes), prompt_reused=reuse)
         self.result = GenerationResult(text=text, token_ids=tuple(self.token_ids), stop_reason=stop_reason,
                                        stats=stats, error=error, prompt_ids=tuple(int(t) for t in self._prompt_ids))
         if p.observers:
@@ -611,6 +629,15 @@ class TextStream:
         p = self._pipeline
         if p.observers:
             p._notify("on_round", info)
+
+
+def _shared_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """How many leading ids ``a`` and ``b`` share, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    if n <= 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(differ[0]) if differ.size else n
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

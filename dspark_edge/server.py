@@ -16,6 +16,9 @@ its answer streams) cancels its request, which ends after the round in progress;
 running past ``request_timeout_s`` ends the same way and is answered 504 (or, mid-stream, with
 an error event). Bad requests get 400 with the field and the fix, in OpenAI's error shape.
 With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
+With ``parallel`` 1 and ``prompt_cache`` (the default), a request starts from the K/V the
+previous one left for the prefix their prompts share (a conversation's next turn prefills its
+new message only; ``usage.prompt_tokens_details.cached_tokens`` says how many were reused).
 
 What this module does not know: how the pipeline decodes (it only calls ``stream``), and how
 it is run (``cli/serve.py`` binds it to a host and port).
@@ -54,6 +57,9 @@ class ServeConfig:
     api_key: str | None = None
     parallel: int = 1  # requests decoded at once (batched when more than 1)
     shared_verify: bool = True  # batched requests' drafts verified in one pass (a second graph session)
+    # With parallel 1: a request starts from the K/V the last one left for the prefix their
+    # prompts share (GenerationConfig.reuse_prefix); a request's "cache_prompt" overrides it.
+    prompt_cache: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.parallel <= 64:
@@ -155,6 +161,9 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
     stream, ignore_eos = body.get("stream", False), body.get("ignore_eos", False)
     if not isinstance(stream, bool) or not isinstance(ignore_eos, bool):
         raise BadRequest("'stream' and 'ignore_eos' must be true or false", "stream")
+    cache_prompt = body.get("cache_prompt", cfg.prompt_cache)  # as llama-server takes it
+    if not isinstance(cache_prompt, bool):
+        raise BadRequest("'cache_prompt' must be true or false", "cache_prompt")
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
@@ -166,7 +175,7 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
     gen = GenerationConfig(max_new_tokens=max_tokens,
                            temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
                            top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)), seed=seed, stop=stop,
-                           ignore_eos=ignore_eos,
+                           ignore_eos=ignore_eos, reuse_prefix=cache_prompt,
                            # a seed makes the answer a function of the seed alone, whatever the
                            # scheduler chose under the server's load at the time
                            sampling="rejection" if seed is None else "coupled")
@@ -426,7 +435,8 @@ def _server_counters(metrics):
 def _usage(result) -> dict:
     n = len(result.token_ids)
     return {"prompt_tokens": result.stats.prompt_tokens, "completion_tokens": n,
-            "total_tokens": result.stats.prompt_tokens + n}
+            "total_tokens": result.stats.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": result.stats.prompt_reused}}
 
 
 def _response(rid: str, created: int, chat: bool, model: str, text: str, result) -> dict:

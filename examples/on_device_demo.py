@@ -338,8 +338,10 @@ def main() -> int:
             name = pipe.drafter.name if pipe.drafter is not None else "none"
             trace = TraceWriter(args.trace, label=f"demo {manifest.model.name} drafter {name}")
             pipe.add_observer(trace)
+        # In a chat each turn starts from the K/V of the conversation so far (its new message is
+        # all it prefills), as `python -m dspark_edge chat` does.
         cfg = dspark_edge.GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                           seed=args.seed, sampling=args.sampling)
+                                           seed=args.seed, sampling=args.sampling, reuse_prefix=args.chat)
         history: list[dict] = []
         while True:
             if args.chat:

@@ -158,6 +158,20 @@ def test_chat_keeps_history_and_commands(tiny_engine):
     assert '"prompt_tokens"' in p.stderr and "[history cleared]" in p.stderr
 
 
+def test_chat_turns_start_from_the_conversations_kv(tiny_engine):
+    """Each turn prefills only what it does not share with the conversation so far."""
+    def turns(*flags):
+        p = subprocess.run([sys.executable, "-m", "dspark_edge", "chat", "--engine", str(tiny_engine),
+                            "--max-new-tokens", "5", "--json", *flags], input="hello\nagain\n\n", cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        return [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
+
+    first, second = turns()
+    assert first["stats"]["prompt_reused"] == 0 and second["stats"]["prompt_reused"] >= first["stats"]["prompt_tokens"]
+    assert [a["stats"]["prompt_reused"] for a in turns("--no-prompt-cache")] == [0, 0]
+
+
 def test_chat_interrupted_exits_130(tiny_engine):
     import os
     import pty

@@ -110,6 +110,21 @@ def test_streamed_chat_and_completions_equal_the_pipelines_answers(served):
                                                   sampling="coupled").text
 
 
+def test_a_conversations_next_turn_reuses_the_kv_of_the_last_and_answers_as_from_scratch(served):
+    url, ref = served
+    c = client(url)
+    first = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+    turn2 = MESSAGES + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "And then?"}]
+    second = c.chat.completions.create(model="tiny", messages=turn2, max_tokens=12, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert second.choices[0].message.content == ref.generate(turn2, max_new_tokens=12).text
+    again = c.chat.completions.create(model="tiny", messages=turn2, max_tokens=12, temperature=0,
+                                      extra_body={"cache_prompt": False})  # as llama-server takes it
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].message.content == second.choices[0].message.content
+
+
 def test_concurrent_clients_each_get_their_own_answer(served):
     url, ref = served
     prompts = ["The quick brown fox", "def add(a, b):", "Speculative decoding", "Une phrase"]
@@ -153,6 +168,7 @@ def test_a_client_leaving_mid_stream_cancels_its_request(served):
     ({"messages": MESSAGES, "max_tokens": 100000}, 400, "'max_tokens' must be"),
     ({"messages": MESSAGES, "stop": [1, 2]}, 400, "'stop' must be"),
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "only allowed with"),
+    ({"messages": MESSAGES, "cache_prompt": "yes"}, 400, "'cache_prompt' must be"),
     # what would change the answer and is not honoured is refused by name, not ignored
     ({"messages": MESSAGES, "logprobs": True}, 400, "'logprobs' is not supported"),
     ({"messages": MESSAGES, "presence_penalty": 0.5}, 400, "'presence_penalty' is not supported"),
@@ -199,7 +215,8 @@ class BlockingPipe:
                 yield "b"
                 Stream.result = SimpleNamespace(stop_reason="cancelled" if self.cancelled.is_set() else "eos",
                                                 token_ids=(1, 2), stats=SimpleNamespace(
-                                                    prompt_tokens=3, tokens_per_s=1.0, draft_n=0, draft_n_accepted=0))
+                                                    prompt_tokens=3, tokens_per_s=1.0, draft_n=0, draft_n_accepted=0,
+                                                    prompt_reused=0))
                 self.result = Stream.result
 
             def cancel(self):
@@ -364,8 +381,12 @@ def test_parallel_requests_are_batched_and_answered_as_alone(tiny_engine, shared
             c, got = client(url), {}
 
             def ask(i):
-                got[i] = c.completions.create(model="tiny", prompt=prompts[i], max_tokens=24, temperature=0,
-                                              extra_body={"ignore_eos": True}).choices[0].text
+                r = c.completions.create(model="tiny", prompt=prompts[i], max_tokens=24, temperature=0,
+                                         extra_body={"ignore_eos": True})
+                got[i] = r.choices[0].text
+                cached[i] = r.usage.prompt_tokens_details.cached_tokens
+
+            cached: dict = {}
 
             threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(len(prompts))]
             for t in threads:
@@ -373,6 +394,7 @@ def test_parallel_requests_are_batched_and_answered_as_alone(tiny_engine, shared
             for t in threads:
                 t.join(timeout=60)
             assert [got.get(i) for i in range(len(prompts))] == want
+            assert set(cached.values()) == {0}  # a batched slot has no K/V of its own to keep
             runner = app.state.worker.pipes[0]._slot[0]
             assert runner.joint == shared_verify
             assert runner.passes["batched"] + runner.passes["slots"] > 0  # the requests shared target passes

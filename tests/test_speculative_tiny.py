@@ -419,3 +419,52 @@ def test_declined_drafting_rounds_close_the_gate(plain, tiny_engine):
     assert spec.scheduler.gated
     assert drafter.calls < 15  # 3 rounds to learn, then a probe every 16 rounds
     assert any("the gate" in d.reason for d in spec.scheduler.decisions)
+
+
+def _shared(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "self"])
+def test_a_chats_next_turn_prefills_only_what_it_does_not_share_and_answers_as_from_scratch(tiny_engine, drafter):
+    turn1 = [{"role": "user", "content": "The quick brown fox"}]
+    cfg = GenerationConfig(max_new_tokens=16, ignore_eos=True, reuse_prefix=True)
+    with dspark_edge.load(tiny_engine, drafter=drafter) as pipe, dspark_edge.load(tiny_engine, drafter=drafter) as fresh:
+        first = pipe.generate(turn1, cfg)
+        assert first.stats.prompt_reused == 0  # nothing kept yet
+        turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
+        second = pipe.generate(turn2, cfg)
+        kept = first.prompt_ids + first.token_ids[:-1]  # the answer's last token was never run
+        assert second.stats.prompt_reused == _shared(kept, second.prompt_ids) >= len(first.prompt_ids)
+        assert second.token_ids == fresh.generate(turn2, max_new_tokens=16, ignore_eos=True).token_ids
+        # The same prompt again reuses all of it but its last token, whose pass gives the first logits.
+        third = pipe.generate(turn2, cfg)
+        assert third.stats.prompt_reused == len(third.prompt_ids) - 1
+        assert third.token_ids == second.token_ids
+
+
+def test_prefix_reuse_is_asked_for_and_keeps_nothing_from_a_cancelled_generation(tiny_engine):
+    prompt = "Speculative decoding verifies them"
+    with dspark_edge.load(tiny_engine, drafter="ngram") as pipe:
+        pipe.generate(prompt, max_new_tokens=8)
+        assert pipe.generate(prompt, max_new_tokens=8).stats.prompt_reused == 0  # off by default
+        pipe.generate(prompt, max_new_tokens=8, reuse_prefix=True)
+        s = pipe.stream(prompt, GenerationConfig(max_new_tokens=40, ignore_eos=True, reuse_prefix=True))
+        next(iter(s))
+        s.cancel()
+        list(s)
+        assert s.result.stop_reason == "cancelled"
+        assert pipe.generate(prompt, max_new_tokens=8, reuse_prefix=True).stats.prompt_reused == 0
+
+
+def test_a_drafter_that_reads_hidden_states_gets_the_whole_prompts_even_with_prefix_reuse(tiny_engine):
+    rec = _HiddenRecorder()
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=rec)
+    cfg = GenerationConfig(max_new_tokens=12, ignore_eos=True, reuse_prefix=True)
+    spec.generate(PROMPTS[4], cfg)
+    again = spec.generate(PROMPTS[4], cfg)
+    assert again.stats.prompt_reused == 0
+    assert np.concatenate(rec.rows).shape[0] == len(rec.contexts[-1]) - 1  # every committed position's

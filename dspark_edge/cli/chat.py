@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from dataclasses import replace
 
 from ..errors import PromptError
 
@@ -21,12 +23,16 @@ def register(sub) -> None:
     c.add_argument("--system", default=None, help="system message")
     generation_args(c, 512)
     c.add_argument("--json", action="store_true", help="print one JSON object per answer instead of text")
+    c.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="start each turn from the K/V of the conversation so far, prefilling only the new "
+                        "message; --no-prompt-cache prefills the whole history every turn (default: on)")
 
 
 def cmd_chat(args) -> int:
     check_outputs(args)
     pipe = load_engine(args, drafter=args.drafter)
-    cfg = generation_config(args)
+    # Each turn starts from the K/V of the conversation so far: it prefills its new message only.
+    cfg = replace(generation_config(args), reuse_prefix=args.prompt_cache)
     outputs = Outputs(pipe, args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []

@@ -44,6 +44,10 @@ def register(sub) -> None:
                         "second session of the target graph (one more copy of its weights in memory). "
                         "--no-shared-verify saves that memory: a request then drafts only while it is the "
                         "only one decoding (default: on)")
+    s.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --parallel 1: start each request from the K/V the last one left for the prefix "
+                        "their prompts share, so a conversation's next turn prefills only its new message "
+                        "(a request's \"cache_prompt\": false opts out; default: on)")
     s.add_argument("--max-tokens", type=int, default=4096,
                    help="the largest max_tokens a request may ask for (default: %(default)s)")
 
@@ -61,7 +65,7 @@ def cmd_serve(args) -> int:
     cfg = ServeConfig(model=args.model_name or Path(args.engine).resolve().name, max_queue=args.max_queue,
                       request_timeout_s=args.request_timeout, max_tokens=args.max_tokens,
                       default_max_tokens=min(256, args.max_tokens), api_key=api_key, parallel=args.parallel,
-                      shared_verify=args.shared_verify)
+                      shared_verify=args.shared_verify, prompt_cache=args.prompt_cache)
     drafter = None if args.drafter == "none" else args.drafter
     # Verifying several requests' drafts opens a second session of the target graph: both on
     # the process-wide thread pool, or each session's idle threads spin against the other's.
