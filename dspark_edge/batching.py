@@ -5,7 +5,9 @@ head dim] per layer. A generation's target passes go through the ``BatchRunner``
 the passes of every active slot and runs them together: the width-1 steps of all slots in one
 batched pass (each row at its own length), prefill chunks and wider speculative passes one slot
 at a time, bound to that slot's row. A generation joins at its first pass and leaves when it
-ends; the others go on meanwhile, so requests come and go at any round.
+ends; the others go on meanwhile, so requests come and go at any round. A slot whose pipeline
+kept its last generation's K/V (``GenerationConfig.reuse_prefix``) keeps them in its row while
+idle: its dummy rows (below) write past them.
 
 Drafts of several requests in one pass: onnxruntime's CPU GroupQueryAttention (the fused
 graph's attention) runs several new tokens after a cached context at batch size 1 only, so a
@@ -238,14 +240,15 @@ class BatchRunner:
             self._heard[slot] = time.monotonic()
 
     def leave(self, slot: int) -> None:
-        """The slot's generation ended: the others stop waiting for it."""
+        """The slot's generation ended: the others stop waiting for it. Its row keeps what its
+        pipeline kept (``GenerationConfig.reuse_prefix``; else the pipeline reset its length):
+        while it is idle its dummies write at that length, past every kept position."""
         with self._cond:
             self._active.discard(slot)
             self._pending.pop(slot, None)
             self._frontier.pop(slot, None)
             self._copying.discard(slot)
             self._heard.pop(slot, None)
-            self.caches[slot].reset()
             self._cond.notify_all()
 
     def _free(self, slot: int) -> int:

@@ -81,8 +81,8 @@ class GenerationConfig:
     were computed by passes of other widths than a fresh prefill's, so the logits can differ
     from a fresh generation's in the last bits (as speculative decoding's do from plain
     decoding's); off by default, so the same call gives the same answer whatever ran before.
-    A drafter that reads the target's hidden states (DSpark) needs the whole prompt's, and a
-    batched slot has no cache of its own: both prefill from scratch.
+    A drafter that reads the target's hidden states (DSpark) needs the whole prompt's: it
+    prefills from scratch.
 
     ``sampling`` (temperature > 0): "rejection" (default) verifies drafts by rejection
     sampling; "coupled" draws the token of every answer position with noise seeded by

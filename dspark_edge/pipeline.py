@@ -383,6 +383,18 @@ class Pipeline:
             log.info("drafter reloaded")
 
     # -- prompts ----------------------------------------------------------------------------
+    def reusable(self, prompt_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``prompt_ids`` the next generation with ``reuse_prefix``
+        would take from the K/V kept of the last one (the prompt's last token is always run:
+        its pass gives the first logits). A server with several slots sends a conversation's
+        next turn to the slot that keeps its last one."""
+        return _shared_prefix(self._kept, prompt_ids, len(prompt_ids) - 1)
+
+    @property
+    def kept_length(self) -> int:
+        """How many tokens' K/V this pipeline keeps of its last generation for ``reuse_prefix``."""
+        return len(self._kept)
+
     def encode_prompt(self, prompt: Prompt, special_in_content: bool = False) -> list[int]:
         """Token ids of a text prompt (used as is, special-token strings included) or of chat
         messages (through the chat template; their content is text, special-token strings in it
@@ -509,11 +521,9 @@ class TextStream:
         cache = p._cache
         kept, p._kept = p._kept, ()  # claimed: valid again only if this generation ends cleanly
         reuse = 0
-        # A drafter that reads hidden states needs the whole prompt's; a batched slot's cache is
-        # the runner's row, not the pipeline's.
-        if cfg.reuse_prefix and spec.hidden_rows is None and p._slot is None and cache.length == len(kept):
-            # The shared prefix, less the prompt's last token: its pass gives the first logits.
-            reuse = _shared_prefix(kept, self._prompt_ids, len(self._prompt_ids) - 1)
+        # A drafter that reads hidden states needs the whole prompt's.
+        if cfg.reuse_prefix and spec.hidden_rows is None and cache.length == len(kept):
+            reuse = _shared_prefix(kept, self._prompt_ids, len(self._prompt_ids) - 1)  # as ``reusable``
         if reuse:
             cache.rollback(reuse)
         else:
@@ -568,9 +578,11 @@ class TextStream:
                     cut = _find_stop(text, cfg.stop, max(0, emitted - hold))
                     if cut is not None:
                         text, stop_reason = text[:cut], "stop_string"
-            if cfg.reuse_prefix and p._slot is None and stop_reason != "cancelled" \
-                    and cfg.max_new_tokens > 0 and cache.length == len(committed):
-                p._kept = tuple(committed)  # the prompt and the answer but its last token (never run)
+            # Kept: the prompt and the answer but its last token (never run); not a full cache
+            # (a batched slot's idle row takes a one-token pass at its length).
+            if cfg.reuse_prefix and stop_reason != "cancelled" and cfg.max_new_tokens > 0 \
+                    and cache.length == len(committed) and cache.free >= 1:
+                p._kept = tuple(committed)
         except DSparkError as exc:
             stop_reason, error = "error", str(exc)
             log.error("generation failed after %d tokens: %s", len(self.token_ids), exc)

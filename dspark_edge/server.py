@@ -16,9 +16,10 @@ its answer streams) cancels its request, which ends after the round in progress;
 running past ``request_timeout_s`` ends the same way and is answered 504 (or, mid-stream, with
 an error event). Bad requests get 400 with the field and the fix, in OpenAI's error shape.
 With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
-With ``parallel`` 1 and ``prompt_cache`` (the default), a request starts from the K/V the
-previous one left for the prefix their prompts share (a conversation's next turn prefills its
-new message only; ``usage.prompt_tokens_details.cached_tokens`` says how many were reused).
+With ``prompt_cache`` (the default) a request starts from the K/V the previous one on its
+pipeline or slot left for the prefix their prompts share (a conversation's next turn prefills
+its new message only; ``usage.prompt_tokens_details.cached_tokens`` says how many were reused);
+with ``parallel`` N, each request goes to the idle slot that keeps most of its prompt.
 
 What this module does not know: how the pipeline decodes (it only calls ``stream``), and how
 it is run (``cli/serve.py`` binds it to a host and port).
@@ -57,8 +58,8 @@ class ServeConfig:
     api_key: str | None = None
     parallel: int = 1  # requests decoded at once (batched when more than 1)
     shared_verify: bool = True  # batched requests' drafts verified in one pass (a second graph session)
-    # With parallel 1: a request starts from the K/V the last one left for the prefix their
-    # prompts share (GenerationConfig.reuse_prefix); a request's "cache_prompt" overrides it.
+    # A request starts from the K/V the last one on its pipeline or slot left for the prefix
+    # their prompts share (GenerationConfig.reuse_prefix); a request's "cache_prompt" overrides it.
     prompt_cache: bool = True
 
     def __post_init__(self) -> None:
@@ -209,17 +210,33 @@ class Job:
             stream.cancel()
 
 
+# A prompt continues a slot's conversation when it carries at least this share of the slot's kept
+# K/V: a next turn carries all of it (up to where the answer's text tokenizes otherwise), another
+# conversation only the template's opening.
+CONTINUES = 0.5
+
+
 class Worker:
     """Threads decoding queued jobs, one per pipeline of ``pipes`` (one pipeline: one request at
-    a time; the slots of ``Pipeline.batch_slots``: that many at once, batched)."""
+    a time; the slots of ``Pipeline.batch_slots``: that many at once, batched). With several
+    slots a dispatcher hands the jobs out in arrival order, each to the idle slot whose kept K/V
+    cover most of its prompt (``Pipeline.reusable``): a conversation's next turn goes back to
+    the slot that answered the last one while that slot is free."""
 
     def __init__(self, pipes: list, cfg: ServeConfig) -> None:
         self.pipes, self.cfg = pipes, cfg
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=cfg.max_queue)
         self.running = 0  # requests being decoded now
         self._count = threading.Lock()
-        self.threads = [threading.Thread(target=self._loop, args=(p,), name=f"dspark-serve-{i}", daemon=True)
+        several = len(pipes) > 1
+        self._inbox = [queue.Queue(maxsize=1) for _ in pipes] if several else None
+        self._idle = threading.Condition()
+        self._free = set(range(len(pipes)))  # slots with no job (several slots only)
+        self._used, self._clock = [0] * len(pipes), 0  # when each slot was last handed a job
+        self.threads = [threading.Thread(target=self._loop, args=(i, p), name=f"dspark-serve-{i}", daemon=True)
                         for i, p in enumerate(pipes)]
+        if several:
+            self.threads.append(threading.Thread(target=self._dispatch, name="dspark-serve-dispatch", daemon=True))
         for t in self.threads:
             t.start()
 
@@ -240,27 +257,70 @@ class Worker:
         for t in self.threads:
             t.join(timeout=30)
 
-    def _loop(self, pipe) -> None:
+    def _dispatch(self) -> None:
         while True:
+            with self._idle:
+                while not self._free:
+                    self._idle.wait()
             job = self.jobs.get()
             if job is None:
+                for box in self._inbox:
+                    box.put(None)
                 return
-            if job.cancel.is_set() or time.monotonic() > job.deadline:  # left (499) or timed out (504) queued
-                job.timed_out = job.timed_out or not job.cancel.is_set()
-                job.post("error", (504, f"the request waited in the queue past --request-timeout "
-                                        f"({self.cfg.request_timeout_s:g} s); retry later") if job.timed_out
-                         else (499, "the client closed the request"))
-                continue
-            with self._count:
-                self.running += 1
+            with self._idle:
+                slot = self._pick(job, sorted(self._free))
+                self._free.discard(slot)
+            self._inbox[slot].put(job)
+
+    def _pick(self, job: Job, free: list[int]) -> int:
+        """The free slot whose kept K/V the job's prompt continues most (at least
+        ``CONTINUES`` of them: its conversation's last turn), else the free slot used least
+        recently: a prompt that shares only the template's opening with every slot keeps off
+        the slots that hold other conversations for as long as it can."""
+        self._clock += 1
+        chosen = min(free, key=lambda i: self._used[i])
+        if job.config.reuse_prefix and len(free) > 1:
             try:
-                self._run(pipe, job)
-            except Exception as exc:  # a fault outside the project's errors: answer 500, keep serving
-                log.exception("request failed")
-                job.post("error", (500, f"internal error: {type(exc).__name__}: {exc}"))
+                ids = self.pipes[free[0]].encode_prompt(job.prompt, job.config.special_in_content)
+            except DSparkError:  # the slot's own generation answers it
+                ids = None
+            if ids is not None:
+                share = {i: self.pipes[i].reusable(ids) / max(1, self.pipes[i].kept_length) for i in free}
+                best = max(free, key=share.__getitem__)
+                if share[best] >= CONTINUES:
+                    chosen = best
+        self._used[chosen] = self._clock
+        return chosen
+
+    def _loop(self, index: int, pipe) -> None:
+        while True:
+            job = (self._inbox[index] if self._inbox is not None else self.jobs).get()
+            if job is None:
+                return
+            try:
+                self._serve(pipe, job)
             finally:
-                with self._count:
-                    self.running -= 1
+                with self._idle:
+                    self._free.add(index)
+                    self._idle.notify_all()
+
+    def _serve(self, pipe, job: Job) -> None:
+        if job.cancel.is_set() or time.monotonic() > job.deadline:  # left (499) or timed out (504) queued
+            job.timed_out = job.timed_out or not job.cancel.is_set()
+            job.post("error", (504, f"the request waited in the queue past --request-timeout "
+                                    f"({self.cfg.request_timeout_s:g} s); retry later") if job.timed_out
+                     else (499, "the client closed the request"))
+            return
+        with self._count:
+            self.running += 1
+        try:
+            self._run(pipe, job)
+        except Exception as exc:  # a fault outside the project's errors: answer 500, keep serving
+            log.exception("request failed")
+            job.post("error", (500, f"internal error: {type(exc).__name__}: {exc}"))
+        finally:
+            with self._count:
+                self.running -= 1
 
     def _run(self, pipe, job: Job) -> None:
         try:

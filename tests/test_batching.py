@@ -55,6 +55,30 @@ def test_batched_answers_equal_the_answers_served_alone(tiny_engine, drafter):
         assert _run_all(slots, [(i, p, {**kw, "seed": i}) for i, p in enumerate(PROMPTS[:3])]) == want
 
 
+@pytest.mark.parametrize("drafter", [None, "self"])
+def test_an_idle_slot_keeps_its_conversation_while_the_others_decode(tiny_engine, drafter):
+    """A slot's kept K/V (``reuse_prefix``) survive the batched passes of the other slots while it
+    is idle (its row runs dummies past them): its next turn reuses them and answers as from scratch."""
+    turn1 = "the cat sat on"
+    with dspark_edge.load(tiny_engine, "fp32", drafter=drafter) as pipe:
+        slots = pipe.batch_slots(3, gather_s=0.5)
+        first = slots[0].generate(turn1, max_new_tokens=12, ignore_eos=True, reuse_prefix=True)
+        kept = slots[0].kept_length
+        assert kept == len(first.prompt_ids) + len(first.token_ids) - 1
+        runner = slots[0]._slot[0]
+        batched = runner.passes["batched"]
+        for _ in range(5):  # until slots 1 and 2 overlapped (threads start one after the other)
+            _run_all(slots, [(1, PROMPTS[3], {"max_new_tokens": 40, "ignore_eos": True}),
+                             (2, PROMPTS[4], {"max_new_tokens": 40, "ignore_eos": True})])
+            if runner.passes["batched"] > batched:
+                break
+        assert runner.passes["batched"] > batched  # rows 0-2 in one pass, row 0 a dummy
+        turn2 = turn1 + first.text + " and then"
+        second = slots[0].generate(turn2, max_new_tokens=16, ignore_eos=True, reuse_prefix=True)
+        assert slots[0].reusable(second.prompt_ids) >= second.stats.prompt_reused >= len(first.prompt_ids)
+        assert second.token_ids == pipe.generate(turn2, max_new_tokens=16, ignore_eos=True).token_ids
+
+
 def test_a_request_joins_while_another_decodes(tiny_engine):
     with dspark_edge.load(tiny_engine, "fp32", drafter="ngram") as pipe:
         long = pipe.generate(PROMPTS[0], max_new_tokens=60, ignore_eos=True).token_ids

@@ -384,9 +384,6 @@ def test_parallel_requests_are_batched_and_answered_as_alone(tiny_engine, shared
                 r = c.completions.create(model="tiny", prompt=prompts[i], max_tokens=24, temperature=0,
                                          extra_body={"ignore_eos": True})
                 got[i] = r.choices[0].text
-                cached[i] = r.usage.prompt_tokens_details.cached_tokens
-
-            cached: dict = {}
 
             threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(len(prompts))]
             for t in threads:
@@ -394,12 +391,36 @@ def test_parallel_requests_are_batched_and_answered_as_alone(tiny_engine, shared
             for t in threads:
                 t.join(timeout=60)
             assert [got.get(i) for i in range(len(prompts))] == want
-            assert set(cached.values()) == {0}  # a batched slot has no K/V of its own to keep
             runner = app.state.worker.pipes[0]._slot[0]
             assert runner.joint == shared_verify
             assert runner.passes["batched"] + runner.passes["slots"] > 0  # the requests shared target passes
             health = httpx.get(url + "/health", timeout=10).json()
             assert health["running"] == 0 and not health["busy"]
+
+
+def test_each_conversations_next_turn_goes_back_to_the_slot_that_keeps_it(tiny_engine):
+    import dspark_edge
+    from dspark_edge.server import ServeConfig, build_app
+
+    conversations = [[{"role": "user", "content": "The quick brown fox"}],
+                     [{"role": "user", "content": "Speculative decoding verifies them"}]]
+    with dspark_edge.load(tiny_engine, "fp32", drafter="ngram") as pipe:
+        app = build_app(pipe, ServeConfig(model="tiny", parallel=2))
+        with running(app) as url:
+            c = client(url)
+            ask = lambda msgs: c.chat.completions.create(model="tiny", messages=msgs, max_tokens=10,  # noqa: E731
+                                                         temperature=0)
+            firsts = [ask(conv) for conv in conversations]  # the second keeps off the first's slot
+            seconds = []
+            for conv, first in zip(conversations, firsts):
+                conv += [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "And then?"}]
+                seconds.append(ask(conv))
+            slots = app.state.worker.pipes
+            assert sorted(p.kept_length > 0 for p in slots) == [True, True]
+        for conv, first, second in zip(conversations, firsts, seconds):
+            assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+            assert second.choices[0].message.content == pipe.generate(conv, max_new_tokens=10).text
 
 
 def test_parallel_must_be_in_range():

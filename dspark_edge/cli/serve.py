@@ -45,9 +45,10 @@ def register(sub) -> None:
                         "--no-shared-verify saves that memory: a request then drafts only while it is the "
                         "only one decoding (default: on)")
     s.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --parallel 1: start each request from the K/V the last one left for the prefix "
-                        "their prompts share, so a conversation's next turn prefills only its new message "
-                        "(a request's \"cache_prompt\": false opts out; default: on)")
+                   help="start each request from the K/V the last one on its slot left for the prefix their "
+                        "prompts share, so a conversation's next turn prefills only its new message; with "
+                        "--parallel N a request goes to the idle slot whose kept K/V it continues (a "
+                        "request's \"cache_prompt\": false opts out; default: on)")
     s.add_argument("--max-tokens", type=int, default=4096,
                    help="the largest max_tokens a request may ask for (default: %(default)s)")
 
