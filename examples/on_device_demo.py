@@ -173,6 +173,8 @@ def final_line(run: Run) -> str:
     s = r.stats
     extra = (f", {s.draft_n_accepted}/{s.draft_n} drafts accepted, mean accepted length {s.mean_accepted_length:.2f}"
              if s.draft_n else "")
+    if s.prompt_reused:  # a chat turn started from the conversation's kept K/V
+        extra += f", {s.prompt_reused}/{s.prompt_tokens} prompt tokens reused ({s.prefill_s * 1000:.0f} ms prefill)"
     return f"[{run.label}: {s.new_tokens} tokens, {run.rate:.1f} tok/s, stop: {r.stop_reason}{extra}]"
 
 
