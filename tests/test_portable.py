@@ -51,6 +51,15 @@ def test_portable_fp32_equals_the_fused_graph(tiny_portable, tiny_engine):
     assert a.token_ids == b.token_ids
 
 
+def test_a_next_turn_on_the_append_layout_reuses_the_kept_prefix_and_answers_as_from_scratch(tiny_portable):
+    with dspark_edge.load(tiny_portable, "fp32", drafter="ngram") as pipe:
+        first = pipe.generate(PROMPT, max_new_tokens=16, reuse_prefix=True)
+        turn2 = PROMPT + first.text + " and then"
+        second = pipe.generate(turn2, max_new_tokens=16, reuse_prefix=True)
+        assert second.stats.prompt_reused >= len(first.prompt_ids)
+        assert second.token_ids == dspark_edge.load(tiny_portable, "fp32").generate(turn2, max_new_tokens=16).token_ids
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_speculation_is_exact_on_the_append_layout(tiny_portable, precision, k):
