@@ -511,12 +511,18 @@ def verify_files(manifest: Manifest, engine_dir: str | os.PathLike, paths: list[
                                   f"({entry.sha256[:12]}…): the file is corrupted or was replaced; re-export it")
 
 
+def role_files(manifest: Manifest, role: str, precision: str) -> list[FileEntry]:
+    """The listed files one role/precision loads: its graphs, their external data and the
+    embedding tables they read."""
+    graphs = {v.file for v in manifest.variants_for(role, precision)}
+    tables = {t.file for t in manifest.embedding_tables if t.graph in graphs}
+    return [f for f in manifest.files
+            if f.path in graphs or f.path in tables or any(f.path.startswith(g + ".") for g in graphs)]
+
+
 def verify_role_files(manifest: Manifest, engine_dir: str | os.PathLike, role: str, precision: str,
                       check_hashes: bool = True) -> None:
     """Check the graph files one role/precision uses (with their external data) and the tokenizer."""
-    graphs = {v.file for v in manifest.variants_for(role, precision)}
-    tables = {t.file for t in manifest.embedding_tables if t.graph in graphs}
-    paths = [f.path for f in manifest.files
-             if f.path in graphs or f.path == manifest.tokenizer.file or f.path in tables
-             or any(f.path.startswith(g + ".") for g in graphs)]
+    paths = [f.path for f in role_files(manifest, role, precision)]
+    paths += [f.path for f in manifest.files if f.path == manifest.tokenizer.file]
     verify_files(manifest, engine_dir, paths, check_hashes=check_hashes)

@@ -9,7 +9,9 @@ alike) and records each mode's decode rate, its ratio to the most precise target
 in the same run, and how many of its answers equal that target's plain answers. The results go
 into this device's profile (``DeviceProfile.modes``).
 
-``choose_mode`` picks the fastest mode whose answers all equal the reference's; without a
+``choose_mode`` picks the fastest mode whose answers all equal the reference's and whose
+weights and K/V fit in the memory available now (``mode_mib``: a device that cannot hold the
+FP32 target beside its self-drafting copy decodes in the fastest mode that fits); without a
 profile that has raced modes it falls back on the rule (the most precise target with
 ``auto_drafter``'s drafter), which is what the runtime did before modes were measured. Which
 mode wins depends on the CPU (the INT4 kernels' speed against FP32's varies by instruction set
@@ -31,6 +33,9 @@ log = logging.getLogger(__name__)
 
 RACE_PROMPTS = 6  # prompts of the project's benchmark set a race decodes
 RACE_TOKENS = 48  # tokens per answer
+# A mode fits when this many times its files and K/V fit in the available memory: onnxruntime's
+# arenas, the activations and the sessions' own buffers come on top of the weights.
+MEMORY_HEADROOM = 1.25
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,35 @@ def _prompt_of(rec: dict):
     return rec.get("messages") or rec["prompt"]
 
 
+def mode_mib(manifest, precision: str, drafter: str | None) -> float:
+    """MiB a mode holds in memory, from the files it loads and its K/V: the target graph of
+    ``precision`` (external data and embedding table included), the copy a self drafter drafts
+    with (another precision of the target: INT8 unless named), a DSpark drafter's graph, and one
+    context's K/V buffers (FP32, the default context)."""
+    from .backends import BackendOptions
+    from .manifest import role_files
+
+    files = {f.path: f.size for f in role_files(manifest, "target", precision)}
+    for part in (drafter or "none").split("+"):
+        name, _, wanted = part.partition(":")
+        if name == "self":
+            files |= {f.path: f.size for f in role_files(manifest, "target", wanted or "int8")}
+        elif name == "dspark":
+            drafted = wanted or next(iter(manifest.precisions("drafter")), "")
+            files |= {f.path: f.size for f in role_files(manifest, "drafter", drafted)}
+    m = manifest.model
+    kv = m.num_layers * 2 * m.num_kv_heads * m.head_dim * min(BackendOptions().max_context,
+                                                               m.max_position_embeddings) * 4
+    return (sum(files.values()) + kv) / 2**20
+
+
+def available_mib() -> float:
+    """The memory available to a new process now (psutil's estimate), in MiB."""
+    import psutil
+
+    return psutil.virtual_memory().available / 2**20
+
+
 def batched_cost_ms(profile, precision: str, requests: int) -> float | None:
     """What one round of ``requests`` requests decoding at once costs at ``precision`` on this
     device: the profile's slots-graph pass over one token of each (``profile --slots``), else
@@ -153,7 +187,7 @@ def batched_cost_ms(profile, precision: str, requests: int) -> float | None:
 
 def choose_mode(manifest, engine_dir: str | Path, backend: str = "onnxruntime",
                 providers: Sequence[str] = ("CPUExecutionProvider",), precision: str | None = None,
-                drafter: str | None = "auto", requests: int = 1) -> ModeChoice:
+                drafter: str | None = "auto", requests: int = 1, free_mib: float | None = None) -> ModeChoice:
     """The mode to decode in: among this device's raced modes at a faithful precision whose
     answers all equalled the reference's (at ``precision`` only, when given; with ``drafter``
     only, unless it is "auto"), the fastest; else the rule: ``precision`` or the most precise
@@ -164,7 +198,11 @@ def choose_mode(manifest, engine_dir: str | Path, backend: str = "onnxruntime",
     FP32 activations unpacks its weights for every pass of more than one row). So the precision
     is the raced one whose round of that many requests costs least in the profile
     (``batched_cost_ms``), and the mode the fastest raced at it (its drafter is what a request
-    alone in the batch drafts with)."""
+    alone in the batch drafts with).
+
+    Of the raced modes, only those that fit in ``free_mib`` (default: the memory available now)
+    with ``MEMORY_HEADROOM`` are taken (``mode_mib``); where none fits, the smallest one, and
+    the reason says what did not fit."""
     from .pipeline import auto_drafter
     from .profile import load_profile
 
@@ -187,11 +225,12 @@ def choose_mode(manifest, engine_dir: str | Path, backend: str = "onnxruntime",
                 batch = (f"for {requests} requests at once the {cheapest} target, whose round of them costs least "
                          "here (" + ", ".join(f"{p} {ms:.1f} ms" for p, ms in costs.items()) + "); its ")
             if runs:
+                runs, short = _that_fit(manifest, runs, free_mib)
                 best = max(runs, key=lambda m: m.tokens_per_s)
                 raced = (f"fastest exact mode raced on this device: {best.tokens_per_s:.1f} tok/s, "
                          f"{best.vs_reference:.2f}x plain {faithful[0]} ({best.equal}/{best.prompts} answers equal)")
                 return ModeChoice(best.precision, None if best.drafter == "none" else best.drafter,
-                                  batch + raced if batch else "the " + raced)
+                                  (batch + raced if batch else "the " + raced) + short)
             why = "no raced mode matches"
         elif profile is not None and status not in ("ok", "throttled"):
             why = f"this device's profile is {status}"
@@ -205,6 +244,25 @@ def choose_mode(manifest, engine_dir: str | Path, backend: str = "onnxruntime",
     return ModeChoice(chosen, pick, f"{why}: {what} (race the modes: `python -m dspark_edge profile --engine "
                                     f"{engine_dir} --modes-only`)")
 
+
+
+def _that_fit(manifest, runs: list, free_mib: float | None) -> tuple[list, str]:
+    """The raced modes that fit in the memory available (see ``choose_mode``), and what the
+    reason adds when the fastest did not."""
+    need = {(m.precision, m.drafter): mode_mib(manifest, m.precision, None if m.drafter == "none" else m.drafter)
+            for m in runs}
+    free = available_mib() if free_mib is None else free_mib
+    fit = [m for m in runs if need[(m.precision, m.drafter)] * MEMORY_HEADROOM <= free]
+    fastest = max(runs, key=lambda m: m.tokens_per_s)
+    if fastest in fit:
+        return runs, ""
+    kept = fit or [min(runs, key=lambda m: need[(m.precision, m.drafter)])]
+    what = f"{fastest.precision} + {fastest.drafter}"
+    log.warning("the fastest raced mode (%s) needs about %.0f MiB with headroom, %.0f MiB are available: "
+                "decoding in the fastest that fits", what, need[(fastest.precision, fastest.drafter)] * MEMORY_HEADROOM,
+                free)
+    return kept, (f"; {what}, faster, needs about {need[(fastest.precision, fastest.drafter)] * MEMORY_HEADROOM:.0f} "
+                  f"MiB and {free:.0f} MiB are available" + ("" if fit else ", and no raced mode fits: the smallest"))
 
 
 def needs_race(manifest, engine_dir: str | Path, backend: str = "onnxruntime",

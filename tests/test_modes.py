@@ -362,3 +362,25 @@ def test_asking_whether_to_race_leaves_the_missing_profile_warning_to_the_load(t
     with caplog.at_level("WARNING"):
         assert load_profile(engine) == (None, "missing")
     assert "no device profile for this device" in caplog.text and "another-device" in caplog.text
+
+
+def test_auto_keeps_to_the_modes_that_fit_in_the_memory_available(tiny_engine, tmp_path, profiles, caplog):
+    """A device that cannot hold the target beside its self-drafting copy decodes in the fastest
+    mode that fits; with no mode fitting, in the smallest, and the reason says so."""
+    from dspark_edge.modes import MEMORY_HEADROOM, mode_mib
+
+    engine = _with_int4(tiny_engine, tmp_path)
+    m = read_manifest(engine)
+    _save_modes(engine, profiles, [ModeSpeed("fp32", "none", 10.0, 1.0, 2, 2, 8),
+                                   ModeSpeed("fp32", "ngram+self", 30.0, 3.0, 2, 2, 8),
+                                   ModeSpeed("int4", "none", 20.0, 2.0, 2, 2, 8)])
+    plain, copied = mode_mib(m, "int4", None), mode_mib(m, "fp32", "ngram+self")
+    graphs = sum(f.size for f in m.files if f.path.startswith(("target/fp32/", "target/int8/"))) / 2**20
+    assert plain < copied <= graphs + plain  # the copy's INT8 graph on top of the target's files and K/V
+    assert choose_mode(m, engine, free_mib=1e9).drafter == "ngram+self"
+    with caplog.at_level("WARNING"):
+        tight = choose_mode(m, engine, free_mib=(plain + copied) / 2 * MEMORY_HEADROOM)
+    assert (tight.precision, tight.drafter) == ("int4", None)  # the fastest of those that fit
+    assert "fp32 + ngram+self, faster, needs about" in tight.reason and "needs about" in caplog.text
+    none = choose_mode(m, engine, free_mib=1.0)
+    assert none.drafter is None and "no raced mode fits" in none.reason
