@@ -367,7 +367,7 @@ def test_asking_whether_to_race_leaves_the_missing_profile_warning_to_the_load(t
 def test_auto_keeps_to_the_modes_that_fit_in_the_memory_available(tiny_engine, tmp_path, profiles, caplog):
     """A device that cannot hold the target beside its self-drafting copy decodes in the fastest
     mode that fits; with no mode fitting, in the smallest, and the reason says so."""
-    from dspark_edge.modes import MEMORY_HEADROOM, mode_mib
+    from dspark_edge.modes import mode_mib, need_mib
 
     engine = _with_int4(tiny_engine, tmp_path)
     m = read_manifest(engine)
@@ -379,7 +379,7 @@ def test_auto_keeps_to_the_modes_that_fit_in_the_memory_available(tiny_engine, t
     assert plain < copied <= graphs + plain  # the copy's INT8 graph on top of the target's files and K/V
     assert choose_mode(m, engine, free_mib=1e9).drafter == "ngram+self"
     with caplog.at_level("WARNING"):
-        tight = choose_mode(m, engine, free_mib=(plain + copied) / 2 * MEMORY_HEADROOM)
+        tight = choose_mode(m, engine, free_mib=(need_mib(m, "int4", None) + need_mib(m, "fp32", "ngram+self")) / 2)
     assert (tight.precision, tight.drafter) == ("int4", None)  # the fastest of those that fit
     assert "fp32 + ngram+self, faster, needs about" in tight.reason and "needs about" in caplog.text
     none = choose_mode(m, engine, free_mib=1.0)
