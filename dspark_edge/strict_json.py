@@ -35,7 +35,9 @@ def read_jsonl(path, error: type[Exception], cut_tail_ok: bool = False) -> list[
         raise error(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise error(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    lines = text.splitlines()
+    lines = text.split("\n")  # JSON lines end at "\n" only; U+2028 or U+0085 may stand in a string as it is
+    if lines and lines[-1] == "":
+        lines.pop()
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():

@@ -471,8 +471,8 @@ def read_prompts(path: Path) -> list[dict]:
         log.warning("%s: dropping a last line cut short (%d bytes)", path, len(raw) - len(keep))
         with open(path, "r+b") as f:
             f.truncate(len(keep))
-    try:
-        return [json.loads(line) for line in keep.decode("utf-8").splitlines()]
+    try:  # lines end at "\n" only: a model-written message may hold U+2028 or U+0085 as it is
+        return [json.loads(line) for line in keep.decode("utf-8").split("\n") if line]
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ExportError(f"{path} is damaged ({exc}); delete the work folder to start again") from exc
 

@@ -122,6 +122,22 @@ def test_a_prompts_file_that_lost_or_changed_records_is_rebuilt_from_the_shards(
     assert not any("rebuilt" in s for s in said)
 
 
+def test_a_prompt_holding_unicode_line_separators_reads_back_as_one_record(tmp_path):
+    """A self-written message may hold U+2028, U+2029 or U+0085 as they are (JSON allows them in
+    a string): the prompts file is JSON lines, split at "\n" only, so the record stays one."""
+    from dspark_export.data_engine import _append
+    from dspark_edge.errors import ManifestError
+    from dspark_edge.strict_json import read_jsonl
+
+    path = tmp_path / "prompts.jsonl"
+    records = [{"kind": "magpie", "messages": [{"role": "user", "content": f"one{sep}two"}], "seed": i}
+               for i, sep in enumerate(("\u2028", "\u2029", "\x85", "\x0c"))]
+    _append(path, records[:2])
+    _append(path, records[2:])
+    assert read_prompts(path) == records
+    assert [rec for _, rec in read_jsonl(path, ManifestError)] == records
+
+
 def test_work_folder_of_other_options_is_refused(tiny_engine, tmp_path):
     work = tmp_path / "work"
     run(DataOptions(target_engine=tiny_engine, work=work, answers=2, prompts=2, copy_prompts=0, max_new_tokens=4),
