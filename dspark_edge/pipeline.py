@@ -519,11 +519,11 @@ class TextStream:
         st = spec.stats
         detok = IncrementalDecoder(p.tokenizer)
         cache = p._cache
-        kept, p._kept = p._kept, ()  # claimed: valid again only if this generation ends cleanly
         reuse = 0
         # A drafter that reads hidden states needs the whole prompt's.
-        if cfg.reuse_prefix and spec.hidden_rows is None and cache.length == len(kept):
-            reuse = _shared_prefix(kept, self._prompt_ids, len(self._prompt_ids) - 1)  # as ``reusable``
+        if cfg.reuse_prefix and spec.hidden_rows is None and cache.length == len(p._kept):
+            reuse = p.reusable(self._prompt_ids)
+        p._kept = ()  # claimed: kept again only if this generation ends cleanly
         if reuse:
             cache.rollback(reuse)
         else:

@@ -300,10 +300,6 @@ def measure_profile(engine_dir: str | Path, contexts: tuple[int, ...] = (64, 512
                 progress(f"drafter {precision}: " + " ".join(
                     f"b{t.width}@{t.context}={t.median_ms:.1f}" for t in timings if t.role == "drafter"
                     and t.precision == precision) + " ms")
-    raced: tuple[ModeSpeed, ...] = ()
-    if modes:
-        from .modes import measure_modes
-
     measured = DeviceProfile(
         **_stamp(), engine=manifest.model.name, modes=(),
         precision_sha256={p: _graphs_sha(manifest, p) for p in manifest.precisions("target")},
