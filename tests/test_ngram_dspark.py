@@ -107,3 +107,84 @@ def test_the_choice_follows_the_expected_worth_and_the_rows_wait_for_dspark():
     assert d.propose(req(1), g).source == "dspark"
     assert dspark.seen == [4, 6]
     assert expected_accepted(np.array([0.5, 0.5])) == pytest.approx(0.75)
+
+
+# -- ngram+dspark+self: the cheap drafts in front of the self drafter's copy --------------------
+
+def _no_failures(caplog):
+    failed = [r.getMessage() for r in caplog.records if "failed in" in r.getMessage()]
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_ngram_dspark_self_greedy_is_plain_and_the_dspark_context_stays_in_step(tiny_with_drafter, scheduled,
+                                                                                caplog):
+    from dspark_edge.drafters.self_draft import SelfDrafter
+
+    engine, _, _ = tiny_with_drafter
+    plain = dspark_edge.load(engine, "fp32")
+    spec = dspark_edge.load(engine, "fp32", drafter="ngram+dspark+self", scheduler=None if scheduled else False)
+    d = spec.drafter
+    assert isinstance(d, SelfDrafter) and isinstance(d.ngram, NgramDSparkDrafter)
+    assert d.needs_hidden and d.name == "ngram+dspark+self:int8"
+    assert d.ngram.dspark.precision == "int8"  # the DSpark drafter's INT8 graph, the engine having one
+    if scheduled:
+        from forced_width import ForcedWidthScheduler
+
+        spec.scheduler = ForcedWidthScheduler(spec.scheduler, lambda c: min(4, len(c) + 1), "test: drafts")
+    kw = {} if scheduled else {"draft_tokens": 3}
+    for prompt in [REPEAT, "The quick brown fox", "def add(a, b):"]:
+        want = plain.generate(prompt, max_new_tokens=40, ignore_eos=True)
+        got = spec.generate(prompt, max_new_tokens=40, ignore_eos=True, **kw)
+        assert got.token_ids == want.token_ids
+        assert got.stats.drafter_disabled is None and got.stats.draft_n > 0
+    # The DSpark drafter proposed (its context took every committed position's hidden states:
+    # a row missed would have failed its next round, "drafter context out of step").
+    assert d.ngram.rounds_by_source["dspark"] > 0
+    _no_failures(caplog)
+
+
+def test_ngram_dspark_self_uses_the_dspark_drafts_where_the_copy_promises_less(tiny_with_drafter, caplog):
+    engine, _, _ = tiny_with_drafter
+    plain = dspark_edge.load(engine, "fp32")
+    spec = dspark_edge.load(engine, "fp32", drafter="ngram+dspark+self", scheduler=False)
+    d = spec.drafter
+    seen = []
+
+    class Sources:
+        def on_round(self, info):
+            if info.drafting is not None:
+                seen.append(info.drafting["source"])
+
+    spec.add_observer(Sources())
+    for prompt in ["The quick brown fox", "Once upon a time"]:
+        d.tried[:], d.accepted[:] = 1e6, 0.0  # the copy's drafts never accepted: the cheap ones win
+        want = plain.generate(prompt, max_new_tokens=32, ignore_eos=True)
+        got = spec.generate(prompt, max_new_tokens=32, ignore_eos=True, draft_tokens=2)
+        assert got.token_ids == want.token_ids and got.stats.drafter_disabled is None
+    assert "dspark" in seen, seen  # the DSpark drafter's own drafts were verified
+    assert "self" not in seen
+    _no_failures(caplog)
+
+
+def test_ngram_dspark_self_hands_the_rows_of_rounds_without_drafts_to_the_dspark_drafter(tiny_with_drafter):
+    engine, _, _ = tiny_with_drafter
+    m = read_manifest(engine)
+    rng = np.random.default_rng(0)
+    width = m.model.hidden_size * len(m.drafter.feature_layers)
+    rows = rng.standard_normal((14, width)).astype(np.float32) * 3
+    ctx = [int(t) for t in rng.integers(3, m.model.vocab_size, 15)]
+    steady = create("dspark:int8", m, engine_dir=engine)
+    hybrid = create("ngram+dspark+self", m, engine_dir=engine)
+    steady.begin(ctx[:6])
+    hybrid.begin(ctx[:6])
+    g = np.random.default_rng(1)
+    steady.propose(_request(ctx[:6], rows[:5]), g)
+    hybrid.ngram.dspark.propose(_request(ctx[:6], rows[:5]), g)
+    # A round that drafts nothing (no room for a draft): its rows are kept all the same.
+    assert len(hybrid.propose(_request(ctx[:10], rows[5:9], k=0), g)) == 0
+    steady.propose(_request(ctx[:10], rows[5:9]), g)
+    last = steady.propose(_request(ctx[:15], rows[9:14]), g)
+    hybrid.ngram.keep_hidden(rows[9:14])
+    caught_up = hybrid.ngram.dspark.propose(_request(ctx[:15], np.concatenate(hybrid.ngram._pending)), g)
+    assert np.array_equal(caught_up.tokens, last.tokens)

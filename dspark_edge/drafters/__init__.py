@@ -49,18 +49,32 @@ def create(spec, target_manifest, options=None, verify_hashes: bool = True, engi
     if s.self_drafting:
         from .self_draft import SelfDrafter
 
-        ngram = create("ngram", target_manifest, engine_dir=engine_dir) if s.kind == "ngram+self" else None
+        ngram = create("ngram", target_manifest, engine_dir=engine_dir) if s.kind != "self" else None
+        if s.kind == "ngram+dspark+self":
+            ngram = _ngram_dspark(ngram, engine_dir, target_manifest, None, options, verify_hashes, prefer_int8=True)
         return SelfDrafter(engine_dir, target_manifest, s.option or "int8", options=options,
                            verify_hashes=verify_hashes, ngram=ngram, shared=shared)
-    if s.kind in ("dspark", "ngram+dspark"):
+    if s.kind == "dspark":
         from .dspark import DSparkDrafter
 
-        dspark = DSparkDrafter(engine_dir, target_manifest, s.option, options=options, verify_hashes=verify_hashes)
-        if s.kind == "dspark":
-            return dspark
-        from .ngram_dspark import NgramDSparkDrafter
-
-        return NgramDSparkDrafter(create("ngram", target_manifest, engine_dir=engine_dir), dspark)
+        return DSparkDrafter(engine_dir, target_manifest, s.option, options=options, verify_hashes=verify_hashes)
+    if s.kind == "ngram+dspark":
+        return _ngram_dspark(create("ngram", target_manifest, engine_dir=engine_dir), engine_dir, target_manifest,
+                             s.option, options, verify_hashes)
     from .draft_model import DraftModelDrafter
 
     return DraftModelDrafter(s.option, target_manifest, options=options, verify_hashes=verify_hashes)
+
+
+def _ngram_dspark(ngram, engine_dir, target_manifest, precision, options, verify_hashes, prefer_int8=False):
+    """The ``ngram+dspark`` drafter over ``ngram``; ``precision`` None: the engine's first drafter
+    graph, or with ``prefer_int8`` (inside ``ngram+dspark+self``, whose DSpark drafts are the cheap
+    path) its INT8 graph where it has one: cheaper a round, and as accurate as FP32's where measured
+    (``drafters/README.md``, run 5)."""
+    from .dspark import DSparkDrafter
+    from .ngram_dspark import NgramDSparkDrafter
+
+    if prefer_int8 and precision is None and target_manifest.drafter is not None and "int8" in target_manifest.precisions("drafter"):
+        precision = "int8"
+    dspark = DSparkDrafter(engine_dir, target_manifest, precision, options=options, verify_hashes=verify_hashes)
+    return NgramDSparkDrafter(ngram, dspark)

@@ -73,9 +73,23 @@ class NgramDSparkDrafter(BaseDrafter):
         conf = draft.confidence if self.ngram.observed_confidence else ys.shifted(draft.confidence)
         return ys.best(conf)[1]
 
+    def keep_hidden(self, rows: np.ndarray | None) -> None:
+        """The target's hidden states of newly committed positions, for the next DSpark round: a
+        drafter that holds this one (``ngram+dspark+self``) hands them over on rounds it does not
+        ask this one to propose, so the DSpark drafter's context never skips a position."""
+        if rows is not None and rows.shape[0]:
+            self._pending.append(rows)
+
+    def extend(self, drafts: Sequence[int], k: int) -> Draft:
+        """The n-gram drafts continuing ``drafts`` (``NgramDrafter.extend``)."""
+        ext = self.ngram.extend(drafts, k)
+        return ext.reported("ngram", self.ngram.observed_confidence, None)
+
+    def feedback_extension(self, drafted: int, accepted: int) -> None:
+        self.ngram.feedback_extension(drafted, accepted)
+
     def propose(self, request: DraftRequest, rng: np.random.Generator) -> Draft:
-        if request.new_hidden is not None and request.new_hidden.shape[0]:
-            self._pending.append(request.new_hidden)
+        self.keep_hidden(request.new_hidden)
         ng = self.ngram.propose(replace(request, new_hidden=None), rng)
         ds_worth = self._dspark_worth(request)
         ng_worth = self._ngram_worth(ng, request) if len(ng) else None

@@ -60,6 +60,17 @@ tokens per ms of the round than the copy drafting the rest (the target's pass at
 from the device profile, costs the same either way). A continuation is a
 function of the drafts before it, so under sampling it is drawn from a point mass at itself
 (its q row is one-hot) and the rejection rule stays exact.
+
+``ngram+dspark+self``: the cheap drafter in front of the copy is ``ngram+dspark``
+(``ngram_dspark.py``), whose proposal each round is the n-gram drafts or a DSpark block (a
+pass of the DSpark drafter's graph, a fraction of a copy step). Everything above holds with
+that proposal in place of the n-gram drafts: it is used alone where it promises more tokens per
+millisecond than drafting with the copy (the DSpark drafter's calibrated confidences shifted as
+the scheduler shifts them), and otherwise its drafts are the guesses of the copy's first pass;
+continuations are the n-gram drafter's. Each proposal reports which of the two drafted, so the
+scheduler keeps their costs apart. The DSpark drafter reads every committed position's hidden
+states: this drafter then asks for them (``needs_hidden``) and hands them on every round,
+including rounds that draft nothing.
 """
 
 from __future__ import annotations
@@ -67,6 +78,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -126,13 +138,16 @@ class SelfDrafter(BaseDrafter):
         self.max_tokens = max_tokens
         self.ngram = ngram
         self.name = f"self:{precision}" if ngram is None else f"{ngram.name}+self:{precision}"
+        # ``ngram+dspark+self``: the DSpark drafter inside reads the target's hidden states.
+        self.needs_hidden = bool(getattr(ngram, "needs_hidden", False))
         self._target_cache = None
         self._view = None
         self._run = self._run_alone  # the copy's pass: (view, ids) → logits [w, V]
         self._room = lambda: None  # the most drafts the copy may draw this round (None: no limit)
         self._widths: tuple[int, ...] = ()
         self.step_ms = 0.0  # moving average of one drafting step
-        self._source = "self"  # of the latest proposal, for its feedback: "self" or "ngram"
+        self._source = "self"  # of the latest proposal, for its feedback: "self" or the cheap drafter's source
+        self._observed = True  # whether the latest proposal's confidences are observed rates
         self._bins: list[int] = []  # margin bin of each draft of the latest self proposal
         self.tried = np.zeros(len(MARGIN_PRIOR))  # judged drafts per margin bin, across generations
         self.accepted = np.zeros(len(MARGIN_PRIOR))
@@ -227,11 +242,19 @@ class SelfDrafter(BaseDrafter):
         """The n-gram drafts or the copy's, reporting which (``Draft.source``), whether the
         confidences are observed rates (the copy's are; the n-gram drafter's may not be) and
         what the proposal did (``Draft.record``)."""
+        self._observed = True
         draft = self._propose(request, rng)
-        observed = self.ngram.observed_confidence if self._source == "ngram" else True
-        return draft.reported(self._source, observed, self._record)
+        return draft.reported(self._source, self._observed, self._record)
+
+    def _observed_rates(self, draft: Draft) -> bool:
+        """Whether the cheap drafter's ``draft`` carries observed acceptance rates (the scheduler's
+        online offset then does not apply): what the proposal says, else the drafter's default."""
+        return self.ngram.observed_confidence if draft.observed is None else bool(draft.observed)
 
     def _propose(self, request: DraftRequest, rng: np.random.Generator) -> Draft:
+        if self.needs_hidden:  # every committed position's features reach the DSpark drafter
+            self.ngram.keep_hidden(request.new_hidden)
+            request = replace(request, new_hidden=None)
         k_max = min(request.max_tokens, self.max_tokens)
         if k_max < 1:
             return Draft.empty()
@@ -243,10 +266,11 @@ class SelfDrafter(BaseDrafter):
         if self.ngram is not None:
             ng = self.ngram.propose(request, rng)
             if len(ng) and (barred or self._use_ngram(ng, k_max, ys)):
-                self._source = "ngram"
-                self._record = {"source": "ngram", "drafts": len(ng),
+                self._source = ng.source or "ngram"
+                self._observed = self._observed_rates(ng)
+                self._record = {"source": self._source, "drafts": len(ng),
                                 "why": "other requests are decoding: the copy does not draft" if barred else
-                                       "the n-gram drafts promise more than the copy's"}
+                                       f"the {self._source} drafts promise more than the copy's"}
                 return ng
         if barred:
             self._source = "self"
@@ -271,7 +295,7 @@ class SelfDrafter(BaseDrafter):
         ext = self.ngram.extend(tokens, room)
         if not len(ext):
             return ext
-        conf = ext.confidence if self.ngram.observed_confidence or ys is None else ys.shifted(ext.confidence)
+        conf = ext.confidence if self._observed_rates(ext) or ys is None else ys.shifted(ext.confidence)
         return Draft(ext.tokens, None, np.clip(np.asarray(conf, dtype=np.float64), 0.0, 1.0))
 
     def _stage_width(self, ng: Draft, k_max: int, ys: Yardstick | None) -> int:
@@ -284,7 +308,7 @@ class SelfDrafter(BaseDrafter):
         n = min(len(ng), k_max - 1)
         if costs is None or n < 1 or 1 not in costs.verify_ms:
             return 0
-        conf = ng.confidence if self.ngram.observed_confidence or ys is None else ys.shifted(ng.confidence)
+        conf = ng.confidence if self._observed_rates(ng) or ys is None else ys.shifted(ng.confidence)
         guessed = np.clip(np.asarray(conf[:n], dtype=np.float64), 0.0, 1.0) * self.rate
         # The copy's own pass, measured by the same rule on the copy's cost curve.
         width, _ = Yardstick(costs.verify, tuple(costs.verify_ms)).best(guessed, early_stop=False)
@@ -300,7 +324,7 @@ class SelfDrafter(BaseDrafter):
         if len(fits) < 2:
             return False
         # As the scheduler will shift them (observed rates it leaves as they are).
-        conf = ng.confidence if self.ngram.observed_confidence else ys.shifted(ng.confidence)
+        conf = ng.confidence if self._observed_rates(ng) else ys.shifted(ng.confidence)
         _, value = ys.best(conf, widths=fits)
         return value >= self._self_value(k_max, ys)
 
@@ -454,7 +478,7 @@ class SelfDrafter(BaseDrafter):
                      np.asarray(conf, dtype=np.float64))
 
     def feedback(self, drafted: int, accepted: int, committed: Sequence[int]) -> None:
-        if self._source == "ngram":
+        if self._source != "self":  # the cheap drafter's own drafts were verified
             self.ngram.feedback(drafted, accepted, committed)
             return
         copied = min(drafted, self._copied)

@@ -1,8 +1,8 @@
 """The drafter names users write (``--drafter``, ``load(drafter=...)``), parsed in one place.
 
 Grammar: ``none`` | ``auto`` | ``ngram[:online|:prompt]`` | ``self[:PRECISION]`` |
-``ngram+self[:PRECISION]`` | ``dspark[:PRECISION]`` | ``ngram+dspark[:PRECISION]`` | the path of a
-draft-model engine folder.
+``ngram+self[:PRECISION]`` | ``dspark[:PRECISION]`` | ``ngram+dspark[:PRECISION]`` |
+``ngram+dspark+self[:PRECISION]`` | the path of a draft-model engine folder.
 ``KINDS`` describes each form once; the help texts and error messages are made from it. This
 module knows nothing about models: it only says what a name means.
 """
@@ -28,6 +28,9 @@ KINDS: dict[str, tuple[str, str]] = {
     "ngram+self": ("ngram+self[:PRECISION]", "n-gram drafts where they promise more, else the self drafter"),
     "dspark": ("dspark[:PRECISION]", "the engine folder's DSpark block drafter"),
     "ngram+dspark": ("ngram+dspark[:PRECISION]", "n-gram drafts where they promise more, else the DSpark drafter"),
+    "ngram+dspark+self": ("ngram+dspark+self[:PRECISION]",
+                          "the n-gram or DSpark drafts where they promise more, else the self drafter (PRECISION: "
+                          "the copy's), checking the cheap drafts in its first pass"),
     "draft_model": ("PATH", "a draft-model engine folder"),
 }
 NGRAM_VARIANTS = ("table", "online", "prompt")
@@ -36,8 +39,8 @@ NGRAM_VARIANTS = ("table", "online", "prompt")
 @dataclass(frozen=True)
 class DrafterSpec:
     """What a drafter name means. ``option``: the n-gram variant ("table", "online", "prompt"),
-    the precision of "self" / "ngram+self" / "dspark" / "ngram+dspark" (None: their default), or the draft
-    model's folder."""
+    the precision of "self" / "ngram+self" / "dspark" / "ngram+dspark" (None: their default), the copy's
+    precision of "ngram+dspark+self", or the draft model's folder."""
 
     kind: str
     option: str | None = None
@@ -50,7 +53,7 @@ class DrafterSpec:
 
     @property
     def self_drafting(self) -> bool:
-        return self.kind in ("self", "ngram+self")
+        return self.kind in ("self", "ngram+self", "ngram+dspark+self")
 
     def __str__(self) -> str:
         if self.kind == "draft_model":
@@ -86,7 +89,7 @@ def parse(spec: str | os.PathLike | None) -> DrafterSpec:
         if sep and option not in ("online", "prompt"):
             raise ConfigError(f"drafter {spec!r}: the n-gram drafter takes ':online' or ':prompt', not {option!r}")
         return DrafterSpec("ngram", option or "table")
-    if name in ("self", "ngram+self", "dspark", "ngram+dspark"):
+    if name in ("self", "ngram+self", "dspark", "ngram+dspark", "ngram+dspark+self"):
         if sep and option not in PRECISIONS:
             raise ConfigError(f"drafter {spec!r}: {option!r} is not a precision ({', '.join(PRECISIONS)})")
         return DrafterSpec(name, option or None)
