@@ -586,8 +586,14 @@ def run(opts: DataOptions, progress: Progress = print) -> dict:
     shards = written(opts.work)
     done = sum(_asked(p) for p in shards)
     records = _reconcile(prompts_file, records, shards, tokenizer, progress)
-    progress(f"[data] {engine}: {done} of {opts.answers} prompts answered in {opts.work}"
-             + (f"; {len(records)} prompts recorded" if records else ""))
+    kept = sum(_kept(p) for p in shards)
+    skipped = f" ({done - kept} too long for the context, not in the shards)" if done > kept else ""
+    if done >= opts.answers:
+        progress(f"[data] {engine}: {done} prompts answered in {opts.work}, {kept} answers recorded{skipped}; "
+                 f"--answers {opts.answers} asks for no more")
+    else:
+        progress(f"[data] {engine}: {done} of {opts.answers} prompts answered in {opts.work}{skipped}"
+                 + (f"; {len(records)} prompts recorded" if records else ""))
     stats = {"answered_before": done, "answer_tokens": 0, "answer_s": 0.0, "magpie_kept": 0, "magpie_drawn": 0,
              "magpie_s": 0.0}
     if done >= opts.answers:
@@ -666,6 +672,12 @@ def _asked(shard: Path) -> int:
         return int(f["asked"])
 
 
+def _kept(shard: Path) -> int:
+    """How many answers a shard holds (what ``pack`` packs from it)."""
+    with np.load(shard) as f:
+        return int(f["offsets"].shape[0]) - 1
+
+
 def _write_shard(path: Path, prompts: list[list[int]], answers: list[list[int] | None], kinds: list[str]) -> None:
     rows = [(p, a, KINDS.index(k)) for p, a, k in zip(prompts, answers, kinds) if a is not None]
     seqs = [p + a for p, a, _ in rows]
@@ -702,8 +714,8 @@ def pack(work: Path, manifest: Manifest, opts: DataOptions, progress: Progress =
         seqs += [part["tokens"][off[i]:off[i + 1]] for i in range(off.shape[0] - 1)]
     n = len(seqs) if opts.pack_first is None else opts.pack_first
     if n > len(seqs):
-        raise ExportError(f"--pack-first {n}: {work} holds {len(seqs)} answered prompts; pass at most that, or "
-                          "answer more first (a larger --answers)")
+        raise ExportError(f"--pack-first {n}: {work} holds {len(seqs)} answers (a prompt too long for the context "
+                          "is answered without one); pass at most that, or answer more first (a larger --answers)")
     identity = json.loads((work / "engine.json").read_text())
     meta = {"kinds": list(KINDS), "model": manifest.model.name,
             "source_sha256": manifest.model.source_sha256, "tokenizer_sha256": identity["tokenizer_sha256"],

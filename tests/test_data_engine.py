@@ -84,11 +84,14 @@ def test_run_resumes_and_packs(tiny_engine, tmp_path):
     assert answer == _runtime_answers(tiny_engine, [records[5]["messages"]], 8)[0]
     # --pack-first: the grown folder packs its first answers again, at the same indices.
     first = tmp_path / "first7.npz"
-    run(DataOptions(answers=1, output=first, pack_first=7, **base), progress=lambda s: None)
+    said = []
+    run(DataOptions(answers=1, output=first, pack_first=7, **base), progress=said.append)
+    assert any("12 prompts answered" in x and "12 answers recorded; --answers 1 asks for no more" in x
+               for x in said), said
     head = load_answers(first, manifest, 8)
     assert len(head) == 7 and [head.pair(i) for i in range(7)] == [answers.pair(i) for i in range(7)]
     assert head.kinds.tolist() == answers.kinds[:7].tolist()
-    with pytest.raises(ExportError, match="holds 12 answered prompts"):
+    with pytest.raises(ExportError, match="holds 12 answers"):
         run(DataOptions(answers=1, output=first, pack_first=13, **base), progress=lambda s: None)
     with pytest.raises(ExportError, match="with --output"):
         DataOptions(answers=1, pack_first=3, **base)
