@@ -14,12 +14,14 @@ from dspark_edge.errors import ConfigError
     ("ngram:prompt", "ngram", "prompt", False), ("self", "self", None, True), ("self:fp16", "self", "fp16", True),
     ("ngram+self", "ngram+self", None, True), ("ngram+self:int8", "ngram+self", "int8", True),
     ("dspark", "dspark", None, True), ("dspark:int8", "dspark", "int8", True),
+    ("ngram+dspark", "ngram+dspark", None, True), ("ngram+dspark+self", "ngram+dspark+self", None, True),
+    ("ngram+dspark+self:fp16", "ngram+dspark+self", "fp16", True),
 ])
 def test_every_form_parses_and_prints_back(text, kind, option, own):
     s = spec.parse(text)
     assert (s.kind, s.option, s.own_model) == (kind, option, own)
     assert str(s) == (text or "none")
-    assert s.self_drafting == (kind in ("self", "ngram+self"))
+    assert s.self_drafting == (kind in ("self", "ngram+self", "ngram+dspark+self"))
 
 
 def test_a_folder_is_a_draft_model_and_objects_run_no_graph(tmp_path):
