@@ -46,13 +46,18 @@ def _request(context, hidden, k=3):
                         position=len(context) - 1)
 
 
-def test_hidden_rows_handed_over_late_give_the_same_drafts(tiny_with_drafter):
-    engine, _, _ = tiny_with_drafter
+def _rows_and_context(engine):
+    """(manifest, 14 rows of made-up target features, a 15-token context) for the drafter's context tests."""
     m = read_manifest(engine)
     rng = np.random.default_rng(0)
     width = m.model.hidden_size * len(m.drafter.feature_layers)
     rows = rng.standard_normal((14, width)).astype(np.float32) * 3
-    ctx = [int(t) for t in rng.integers(3, m.model.vocab_size, 15)]
+    return m, rows, [int(t) for t in rng.integers(3, m.model.vocab_size, 15)]
+
+
+def test_hidden_rows_handed_over_late_give_the_same_drafts(tiny_with_drafter):
+    engine, _, _ = tiny_with_drafter
+    m, rows, ctx = _rows_and_context(engine)
     steady, late = create("dspark", m, engine_dir=engine), create("dspark", m, engine_dir=engine)
     for d in (steady, late):
         d.begin(ctx[:6])
@@ -169,22 +174,18 @@ def test_ngram_dspark_self_uses_the_dspark_drafts_where_the_copy_promises_less(t
 
 def test_ngram_dspark_self_hands_the_rows_of_rounds_without_drafts_to_the_dspark_drafter(tiny_with_drafter):
     engine, _, _ = tiny_with_drafter
-    m = read_manifest(engine)
-    rng = np.random.default_rng(0)
-    width = m.model.hidden_size * len(m.drafter.feature_layers)
-    rows = rng.standard_normal((14, width)).astype(np.float32) * 3
-    ctx = [int(t) for t in rng.integers(3, m.model.vocab_size, 15)]
+    m, rows, ctx = _rows_and_context(engine)
     steady = create("dspark:int8", m, engine_dir=engine)
     hybrid = create("ngram+dspark+self", m, engine_dir=engine)
     steady.begin(ctx[:6])
     hybrid.begin(ctx[:6])
     g = np.random.default_rng(1)
     steady.propose(_request(ctx[:6], rows[:5]), g)
-    hybrid.ngram.dspark.propose(_request(ctx[:6], rows[:5]), g)
+    # The pair in front of the copy: no DSpark round on record yet, so the DSpark drafter drafts.
+    assert hybrid.ngram.propose(_request(ctx[:6], rows[:5]), g).source == "dspark"
     # A round that drafts nothing (no room for a draft): its rows are kept all the same.
     assert len(hybrid.propose(_request(ctx[:10], rows[5:9], k=0), g)) == 0
     steady.propose(_request(ctx[:10], rows[5:9]), g)
     last = steady.propose(_request(ctx[:15], rows[9:14]), g)
-    hybrid.ngram.keep_hidden(rows[9:14])
-    caught_up = hybrid.ngram.dspark.propose(_request(ctx[:15], np.concatenate(hybrid.ngram._pending)), g)
-    assert np.array_equal(caught_up.tokens, last.tokens)
+    caught_up = hybrid.ngram.propose(_request(ctx[:15], rows[9:14]), g)
+    assert caught_up.source == "dspark" and np.array_equal(caught_up.tokens, last.tokens)
