@@ -9,7 +9,7 @@ are the public API; everything else may change between versions.
 """
 
 from .backends import BackendOptions
-from .config import GenerationConfig, GenerationResult, GenerationStats
+from .config import GenerationConfig, GenerationResult, GenerationStats, TokenLogprob
 from .drafters import Draft, Drafter, DraftRequest, DrafterSpec, parse_spec
 from .errors import (BackendError, ConfigError, DSparkError, EngineError, ExportError, GenerationError,
                      ManifestError, OutputError, PromptError)
@@ -24,5 +24,5 @@ __all__ = [
     "BackendError", "BackendOptions", "ConfigError", "DSparkError", "Draft", "DraftRequest", "Drafter",
     "DrafterSpec", "EngineError", "ExportError", "GenerationConfig", "GenerationError", "GenerationResult",
     "GenerationStats", "Manifest", "ManifestError", "OutputError", "Pipeline", "PromptError", "RoundInfo",
-    "SchedulerConfig", "TextStream", "auto_drafter", "load", "parse_spec", "read_manifest", "__version__",
+    "SchedulerConfig", "TextStream", "TokenLogprob", "auto_drafter", "load", "parse_spec", "read_manifest", "__version__",
 ]

@@ -60,6 +60,19 @@ def _check(hint, value) -> tuple[bool, object, str]:
 StopReason = Literal["eos", "stop_string", "max_new_tokens", "context_full", "cancelled", "error"]
 
 
+MAX_TOP_LOGPROBS = 20  # the likeliest tokens a generation lists beside each new one, at most (OpenAI's bound)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One new token's log-probability under the target's distribution at its position, and the
+    likeliest tokens there with theirs (most likely first; ``GenerationConfig.logprobs`` of them)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """Sampling and stopping. ``temperature == 0`` is greedy (seed-independent).
@@ -89,6 +102,12 @@ class GenerationConfig:
     (seed, position) and accepts a draft only where it equals that token, so the answer
     depends on the seed alone (identical to plain decoding with that seed, whatever the
     drafter, widths or timing), at a lower acceptance for drafters that sample.
+
+    ``logprobs``: None (default) records none; k >= 0 records, for every new token, its
+    log-probability under the target's distribution at its position and the k likeliest tokens
+    there (``TokenLogprob``, at most ``MAX_TOP_LOGPROBS``). They are read from the target pass
+    that verified the token (the log-softmax of its logits, before temperature and the top-k /
+    top-p filters), so they cost no extra pass and do not depend on the drafter.
     """
 
     max_new_tokens: int = 256
@@ -106,6 +125,7 @@ class GenerationConfig:
     sampling: Literal["rejection", "coupled"] = "rejection"
     special_in_content: bool = False  # True: special-token strings in chat content are control tokens
     reuse_prefix: bool = False  # True: reuse the kept K/V of the prefix shared with the last generation
+    logprobs: int | None = None  # None: off; k: each new token's log-probability and the k likeliest
 
     def __post_init__(self) -> None:
         import numpy as np
@@ -134,6 +154,9 @@ class GenerationConfig:
             raise ConfigError(f"seed must be a non-negative integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ConfigError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the likeliest "
+                              f"tokens listed beside each new one), got {self.logprobs!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ConfigError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
@@ -217,3 +240,4 @@ class GenerationResult:
     stats: GenerationStats
     error: str | None = None
     prompt_ids: tuple[int, ...] = ()  # the prompt as the target read it (after the chat template, any truncation)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # with GenerationConfig.logprobs: one per token_ids entry

@@ -28,14 +28,14 @@ from pathlib import Path
 import numpy as np
 
 from .backends import BackendOptions
-from .config import GenerationConfig, GenerationResult
+from .config import GenerationConfig, GenerationResult, TokenLogprob
 from .errors import ConfigError, DSparkError, GenerationError, PromptError
 from .manifest import Manifest, read_manifest, verify_role_files
 from .decoder import DecoderModel
 from .drafters import create as create_drafter
 from .drafters.base import contract
 from .drafters.spec import own_model
-from .sampling import choose, coupled_choice
+from .sampling import choose, coupled_choice, token_logprobs
 from .scheduler import CostModel, Scheduler, SchedulerConfig
 from .telemetry import Reader, Sampler, Snapshot
 from .tokenizer import IncrementalDecoder, Tokenizer
@@ -463,6 +463,7 @@ class TextStream:
         self.token_ids: list[int] = []
         self.last_round: RoundInfo | None = None  # the latest target pass, for live displays
         self.from_draft: list[bool] = []  # parallel to token_ids: True where an accepted draft gave it
+        self.logprobs: list[TokenLogprob] = []  # parallel to token_ids with config.logprobs, else empty
         self._cancel = threading.Event()
         self._iter = self._run()
 
@@ -541,6 +542,8 @@ class TextStream:
                                        hidden_sink=spec.hidden_rows)
                 new = [coupled_choice(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, seed, 0) if coupled
                        else choose(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, rng)]
+                new_logprobs = (token_logprobs(out.logits[-1:], new, cfg.logprobs) if cfg.logprobs is not None
+                                else None)
                 prefill_s = time.perf_counter() - t0
                 spec.begin(committed, cache)
                 while True:
@@ -548,6 +551,8 @@ class TextStream:
                     for i, tok in enumerate(new):  # emit this round's tokens in order; stop mid-block if needed
                         self.token_ids.append(tok)
                         self.from_draft.append(i < new_from_draft)
+                        if new_logprobs is not None:
+                            self.logprobs.append(new_logprobs[i])
                         if tok in eos:
                             stop_reason, done = "eos", True
                             break
@@ -572,7 +577,7 @@ class TextStream:
                         break
                     info = spec.round(cache, committed, new[-1], len(self.token_ids),
                                       cfg.max_new_tokens - len(self.token_ids) - 1, t0, self._record)
-                    new, new_from_draft = list(info.tokens), info.accepted
+                    new, new_from_draft, new_logprobs = list(info.tokens), info.accepted, spec.logprobs
                 if stop_reason not in ("stop_string", "eos"):
                     text += detok.flush()
                     cut = _find_stop(text, cfg.stop, max(0, emitted - hold))
@@ -599,7 +604,8 @@ class TextStream:
                           drafter=p.drafter.name if (p.drafter is not None and cfg.speculative) else "none",
                           drafter_disabled=spec.disabled, modes=dict(st.modes), prompt_reused=reuse)
         self.result = GenerationResult(text=text, token_ids=tuple(self.token_ids), stop_reason=stop_reason,
-                                       stats=stats, error=error, prompt_ids=tuple(int(t) for t in self._prompt_ids))
+                                       stats=stats, error=error, prompt_ids=tuple(int(t) for t in self._prompt_ids),
+                                       logprobs=tuple(self.logprobs) if cfg.logprobs is not None else None)
         if p.observers:
             p._notify("on_generation", self.result)
         if error is not None:

@@ -26,6 +26,7 @@ import numpy as np
 from .config import GenerationConfig, GenerationStats
 from .drafters import Draft, DraftRequest
 from .drafters.base import contract
+from .sampling import token_logprobs
 from .scheduler import Decision
 from .telemetry import Snapshot
 from .widths import WidthPolicy
@@ -144,6 +145,9 @@ class Speculator:
         wants_hidden = self.contract is not None and self.contract.needs_hidden
         # The target's hidden states since the drafter last read them (a DSpark drafter's input).
         self.hidden_rows: list[np.ndarray] | None = [] if wants_hidden else None
+        # With cfg.logprobs: the latest round's tokens' log-probabilities, read from its pass's
+        # logits before the next pass reuses their buffer.
+        self.logprobs: list | None = None
 
     def begin(self, committed: list[int], cache) -> None:
         """After the prefill: bind a drafter that drafts over the target's KV cache, then start it."""
@@ -290,6 +294,8 @@ class Speculator:
                                       cfg.top_k, cfg.top_p, self.rng)
         if self.hidden_rows is not None and out.hidden is not None:
             self.hidden_rows.append(out.hidden[:1 + outcome.accepted].copy())
+        if cfg.logprobs is not None:
+            self.logprobs = token_logprobs(out.logits[:len(outcome.tokens)], outcome.tokens, cfg.logprobs)
         return outcome
 
 

@@ -153,3 +153,25 @@ def coupled_pick(p: np.ndarray, seed: int, position: int) -> int:
     that position this way (from its own q) matches the target's pick whenever q is close to p."""
     e = np.random.default_rng([seed, position]).standard_exponential(p.shape[0])
     return int(np.argmax(p / e))
+
+
+def token_logprobs(logits: np.ndarray, tokens, top: int) -> list:
+    """``TokenLogprob`` of each of ``tokens`` under the rows of ``logits`` ([n, V], row i the
+    distribution token i was chosen from): the log-softmax of the raw logits (float64, before
+    temperature and filters), and the ``top`` likeliest tokens of the row, most likely first
+    (ties by lower id)."""
+    from .config import TokenLogprob
+
+    out = []
+    for row, tok in zip(logits, tokens):
+        z = row.astype(np.float64)
+        top_z = z.max()
+        lse = top_z + np.log(exp_shifted(z - top_z).sum())
+        best: tuple[tuple[int, float], ...] = ()
+        if top > 0:
+            k = min(top, z.shape[0])
+            idx = np.argpartition(-z, k - 1)[:k]
+            idx = idx[np.lexsort((idx, -z[idx]))]
+            best = tuple((int(i), float(z[i] - lse)) for i in idx)
+        out.append(TokenLogprob(int(tok), float(z[int(tok)] - lse), best))
+    return out

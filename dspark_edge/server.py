@@ -19,7 +19,10 @@ With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer 
 With ``prompt_cache`` (the default) a request starts from the K/V the previous one on its
 pipeline or slot left for the prefix their prompts share (a conversation's next turn prefills
 its new message only; ``usage.prompt_tokens_details.cached_tokens`` says how many were reused);
-with ``parallel`` N, each request goes to the idle slot that keeps most of its prompt.
+with ``parallel`` N, each request goes to the idle slot that keeps most of its prompt. Asked
+for (chat's ``logprobs``/``top_logprobs``, the completions API's ``logprobs``), each answer
+token's log-probability under the target's distribution and the likeliest tokens there come
+with the answer or with the chunk that streams it (``GenerationConfig.logprobs``).
 
 What this module does not know: how the pipeline decodes (it only calls ``stream``), and how
 it is run (``cli/serve.py`` binds it to a host and port).
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import queue
@@ -38,7 +42,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import GenerationConfig
+from .config import MAX_TOP_LOGPROBS, GenerationConfig
 from .errors import ConfigError, DSparkError
 
 log = logging.getLogger(__name__)
@@ -85,7 +89,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 # values that ask for nothing (what OpenAI's clients send by default): another value is refused
 # by name rather than ignored, so a client never takes an answer for what it did not ask.
 UNHONOURED = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "echo": (None, False), "suffix": (None, ""),
     "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
@@ -115,7 +119,7 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
     it uses checked. ``ignore_eos`` (as llama-server and vLLM take it) decodes ``max_tokens``
     whatever the model says, for benchmarks. ``stream_options.include_usage`` (streams only, as
     OpenAI's API has it) adds a last event with the token counts and no choices. Fields that would
-    change the answer and are not honoured (``UNHONOURED``: logprobs, tools, penalties, …) are
+    change the answer and are not honoured (``UNHONOURED``: echo, tools, penalties, …) are
     refused unless they ask for nothing; fields that do not change it (``model``, ``user``, …)
     are ignored."""
     if not isinstance(body, dict):
@@ -166,6 +170,7 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
     if not isinstance(cache_prompt, bool):
         raise BadRequest("'cache_prompt' must be true or false", "cache_prompt")
     options = body.get("stream_options")
+    logprobs = _logprobs_wanted(body, chat)
     include_usage = False
     if options is not None:
         if not stream:
@@ -176,11 +181,55 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
     gen = GenerationConfig(max_new_tokens=max_tokens,
                            temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
                            top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)), seed=seed, stop=stop,
-                           ignore_eos=ignore_eos, reuse_prefix=cache_prompt,
+                           ignore_eos=ignore_eos, reuse_prefix=cache_prompt, logprobs=logprobs,
                            # a seed makes the answer a function of the seed alone, whatever the
                            # scheduler chose under the server's load at the time
                            sampling="rejection" if seed is None else "coupled")
     return prompt, gen, stream, include_usage
+
+
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' "logprobs" bound (OpenAI's legacy API)
+
+
+def _logprobs_wanted(body: dict, chat: bool) -> int | None:
+    """How many likeliest tokens to list beside each new one, or None for no log-probabilities.
+    Chat: ``"logprobs": true`` with ``top_logprobs`` 0–20; completions: ``"logprobs"`` 0–5."""
+    wanted = body.get("logprobs")
+    if chat:
+        if wanted not in (None, True, False):
+            raise BadRequest(f"'logprobs' must be true or false, got {json.dumps(wanted)[:80]}", "logprobs")
+        top = _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True)
+        if top and wanted is not True:
+            raise BadRequest("'top_logprobs' needs \"logprobs\": true", "top_logprobs")
+        return top if wanted is True else None
+    if body.get("top_logprobs") not in (None, 0):
+        raise BadRequest("'top_logprobs' belongs to /v1/chat/completions; here send \"logprobs\": N (0-5)",
+                         "top_logprobs")
+    if wanted is None or wanted is False:
+        return None
+    return _number(body, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS, integer=True)
+
+
+def _logprobs_body(entries, chat: bool, decode, offset: int = 0) -> dict:
+    """OpenAI's ``logprobs`` object of a choice (or a chunk) for ``entries`` (``TokenLogprob``),
+    the tokens' text by ``decode`` (token id → str): chat's ``content`` list, or the completions
+    API's parallel lists (``text_offset`` counted from ``offset``, where a chunk's first token
+    starts). Each token's text is what it decodes to alone: a token that ends inside a UTF-8
+    character decodes to a replacement character, and ``bytes`` are that text's."""
+    if chat:
+        def item(tid: int, lp: float) -> dict:
+            text = decode(tid)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [item(e.token_id, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
+    tokens = [decode(e.token_id) for e in entries]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{decode(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
 # --- the worker --------------------------------------------------------------------------------
@@ -331,9 +380,21 @@ class Worker:
         if job.cancel.is_set():  # stopped between the check above and now
             stream.cancel()
         job.post("start")
+        cfg = job.config
+        ends = frozenset() if cfg.ignore_eos or cfg.logprobs is None else pipe.eos_ids | set(cfg.stop_token_ids)
+        sent = 0  # log-probabilities posted so far (an end-of-turn token's are not: it has no text)
+
+        def fresh() -> list | None:
+            nonlocal sent
+            if cfg.logprobs is None:
+                return None
+            new = stream.logprobs[sent:]
+            sent += len(new)
+            return [e for e in new if e.token_id not in ends]
+
         try:
             for piece in stream:
-                job.post("piece", piece)
+                job.post("piece", (piece, fresh()))
                 if time.monotonic() > job.deadline:
                     job.timed_out = True
                     stream.cancel()
@@ -345,7 +406,7 @@ class Worker:
         finally:
             stream.close()
             job.stream = None
-        job.post("end", stream.result)
+        job.post("end", (stream.result, fresh()))
 
 
 # --- the app -----------------------------------------------------------------------------------
@@ -360,6 +421,10 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
     worker = Worker(pipe.batch_slots(cfg.parallel, verify_slots=cfg.shared_verify) if cfg.parallel > 1 else [pipe],
                     cfg)
     counters = _server_counters(metrics)
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(token_id: int) -> str:
+        return pipe.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def fail(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
         counters["requests"](str(status))
@@ -423,25 +488,30 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
         created = int(time.time())
         if stream:
             counters["requests"]("200")
-            return StreamingResponse(_sse(request, job, rid, created, chat, cfg.model, next_event, include_usage),
+            return StreamingResponse(_sse(request, job, rid, created, chat, cfg.model, next_event, include_usage,
+                                          token_text if gen.logprobs is not None else None),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text = ""
+        text, logprobs = "", []
         while True:
             ev = await next_event(request, job)
             if ev is None:
                 return fail(499, "the client closed the request")
             kind, payload = ev
             if kind == "piece":
-                text += payload
+                text += payload[0]
+                logprobs += payload[1] or []
             elif kind == "error":
                 return fail(payload[0], payload[1], "server_error")
             else:
+                result, rest = payload
+                logprobs += rest or []
                 break
         if job.timed_out:
             return fail(504, f"the request ran past --request-timeout ({cfg.request_timeout_s:g} s); ask for fewer "
                              "max_tokens", "timeout")
         counters["requests"]("200")
-        return JSONResponse(_response(rid, created, chat, cfg.model, text, payload))
+        body = (_logprobs_body(logprobs, chat, token_text) if gen.logprobs is not None else None)
+        return JSONResponse(_response(rid, created, chat, cfg.model, text, result, body))
 
     async def chat_completions(request: Request):
         return await complete(request, True)
@@ -499,10 +569,11 @@ def _usage(result) -> dict:
             "prompt_tokens_details": {"cached_tokens": result.stats.prompt_reused}}
 
 
-def _response(rid: str, created: int, chat: bool, model: str, text: str, result) -> dict:
+def _response(rid: str, created: int, chat: bool, model: str, text: str, result, logprobs: dict | None = None) -> dict:
     finish = FINISH.get(result.stop_reason, "stop")
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
-              else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+               "finish_reason": finish} if chat
+              else {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
             "choices": [choice], "usage": _usage(result),
             "dspark": {"stop_reason": result.stop_reason, "tokens_per_s": round(result.stats.tokens_per_s, 2),
@@ -510,10 +581,13 @@ def _response(rid: str, created: int, chat: bool, model: str, text: str, result)
 
 
 async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str, next_event,
-               include_usage: bool = False):
+               include_usage: bool = False, token_text=None):
     """Server-sent events of one answer; a client that goes away cancels the job (finally).
     With ``include_usage`` every event carries ``"usage": null`` and a last one, after the
-    finish reason, the answer's token counts with no choices (OpenAI's ``stream_options``)."""
+    finish reason, the answer's token counts with no choices (OpenAI's ``stream_options``).
+    With ``token_text`` (log-probabilities asked for) each chunk carries those of the tokens
+    decoded since the previous chunk (a chunk's text can lag its tokens: text that may start a
+    stop string is held back), and the finish chunk those of the rest."""
     kind_name = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choices: list, **extra) -> str:
@@ -522,11 +596,18 @@ async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str
             body["usage"] = None
         return "data: " + json.dumps(body | extra) + "\n\n"
 
-    def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+    at = 0  # the completions API's text_offset of the next token
+
+    def chunk(delta: str | None, finish: str | None, first: bool = False, logprobs: list | None = None) -> str:
+        nonlocal at
+        lp = None
+        if token_text is not None and not first:
+            lp = _logprobs_body(logprobs or [], chat, token_text, at)
+            at += sum(len(token_text(e.token_id)) for e in logprobs or [])
         if chat:
             d = ({"role": "assistant", "content": ""} if first else {}) | ({"content": delta} if delta else {})
-            return event([{"index": 0, "delta": d, "finish_reason": finish}])
-        return event([{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}])
+            return event([{"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}])
+        return event([{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": lp}])
 
     try:
         if chat:
@@ -537,7 +618,7 @@ async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str
                 return
             kind, payload = ev
             if kind == "piece":
-                yield chunk(payload, None)
+                yield chunk(payload[0], None, logprobs=payload[1])
             elif kind == "error":
                 yield "data: " + json.dumps(error_body(payload[1], "server_error")) + "\n\n"
                 yield "data: [DONE]\n\n"
@@ -546,9 +627,10 @@ async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str
                 if job.timed_out:
                     yield "data: " + json.dumps(error_body("the request ran past --request-timeout", "timeout")) + "\n\n"
                 else:
-                    yield chunk(None, FINISH.get(payload.stop_reason, "stop"))
+                    result, rest = payload
+                    yield chunk(None, FINISH.get(result.stop_reason, "stop"), logprobs=rest)
                     if include_usage:
-                        yield event([], usage=_usage(payload))
+                        yield event([], usage=_usage(result))
                 yield "data: [DONE]\n\n"
                 return
     finally:

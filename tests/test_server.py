@@ -110,6 +110,50 @@ def test_streamed_chat_and_completions_equal_the_pipelines_answers(served):
                                                   sampling="coupled").text
 
 
+def test_logprobs_are_the_pipelines_streamed_or_not(served):
+    """Chat's ``logprobs``/``top_logprobs`` and the completions API's ``logprobs``: the values the
+    pipeline reports for the answer's tokens (an end-of-turn token, which has no text, left out),
+    the same whether streamed or not, in OpenAI's shapes."""
+    url, ref = served
+    c = client(url)
+    want = ref.generate(MESSAGES, max_new_tokens=24, logprobs=3)
+    kept = [e for e in want.logprobs if e.token_id not in ref.eos_ids]
+    r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, logprobs=True,
+                                  top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == want.text and len(content) == len(kept) > 0
+    for item, e in zip(content, kept):
+        assert item.logprob == pytest.approx(e.logprob, abs=1e-4) and len(item.top_logprobs) == 3
+        assert item.token == ref.tokenizer.decode([e.token_id], skip_special_tokens=False)
+        assert item.bytes == list(item.token.encode("utf-8"))
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx([lp for _, lp in e.top], abs=1e-4)
+    chunks = list(c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True))
+    streamed = [item for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for item in ch.choices[0].logprobs.content]
+    # (the second request reuses the first's K/V, whose logits may differ in the last bits)
+    assert [i.token for i in streamed] == [i.token for i in content]
+    assert [i.logprob for i in streamed] == pytest.approx([i.logprob for i in content], abs=1e-4)
+    plain = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None  # not asked for: none
+    done = ref.generate("def add(a, b):", max_new_tokens=12, logprobs=2)
+    comp = c.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=12, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    kept = [e for e in done.logprobs if e.token_id not in ref.eos_ids]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in kept], abs=1e-4)
+    assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == len(kept)
+    assert all(len(d) <= 2 for d in lp.top_logprobs)  # two tokens may decode to the same text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    streamed = [x for ch in c.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=12,
+                                                 temperature=0, logprobs=2, stream=True)
+                if ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-4)
+    offsets = [x for ch in c.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=12,
+                                                temperature=0, logprobs=2, stream=True)
+               if ch.choices[0].logprobs for x in ch.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset  # counted over the whole answer, not per chunk
+
+
 def test_a_conversations_next_turn_reuses_the_kv_of_the_last_and_answers_as_from_scratch(served):
     url, ref = served
     c = client(url)
@@ -170,7 +214,10 @@ def test_a_client_leaving_mid_stream_cancels_its_request(served):
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "only allowed with"),
     ({"messages": MESSAGES, "cache_prompt": "yes"}, 400, "'cache_prompt' must be"),
     # what would change the answer and is not honoured is refused by name, not ignored
-    ({"messages": MESSAGES, "logprobs": True}, 400, "'logprobs' is not supported"),
+    ({"messages": MESSAGES, "logprobs": 2}, 400, "'logprobs' must be true or false"),
+    ({"messages": MESSAGES, "top_logprobs": 2}, 400, "needs \"logprobs\": true"),
+    ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "'top_logprobs' must be"),
+    ({"messages": MESSAGES, "echo": True}, 400, "'echo' is not supported"),
     ({"messages": MESSAGES, "presence_penalty": 0.5}, 400, "'presence_penalty' is not supported"),
     ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "'response_format' is not supported"),
     ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not"),

@@ -468,3 +468,31 @@ def test_a_drafter_that_reads_hidden_states_gets_the_whole_prompts_even_with_pre
     again = spec.generate(PROMPTS[4], cfg)
     assert again.stats.prompt_reused == 0
     assert np.concatenate(rec.rows).shape[0] == len(rec.contexts[-1]) - 1  # every committed position's
+
+
+def test_logprobs_are_the_targets_own_whatever_the_drafts(plain, tiny_engine, tiny_draft_self):
+    """``logprobs=k``: one entry per new token, read from the pass that verified it; speculative
+    rounds (whole blocks accepted) report what plain width-1 steps report, and each value is the
+    log-softmax of the target's logits at that position (checked against a fresh prefill)."""
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=tiny_draft_self)
+    prompt = PROMPTS[3]
+    want = plain.generate(prompt, max_new_tokens=20, ignore_eos=True, logprobs=3)
+    got = spec.generate(prompt, max_new_tokens=20, ignore_eos=True, logprobs=3, min_survival=0.0)
+    assert got.token_ids == want.token_ids and got.stats.draft_n_accepted > 0
+    assert len(got.logprobs) == len(want.logprobs) == len(want.token_ids)
+    for g, w, tok in zip(got.logprobs, want.logprobs, want.token_ids):
+        assert g.token_id == w.token_id == tok
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert [t for t, _ in g.top] == [t for t, _ in w.top] and g.top[0][0] == tok  # greedy: the likeliest
+        assert [lp for _, lp in g.top] == sorted((lp for _, lp in g.top), reverse=True)
+    ids = plain.encode_prompt(prompt) + list(want.token_ids[:5])
+    logits = plain.target.prefill(plain.target.new_cache(), np.asarray(ids, dtype=np.int64)).logits[-1]
+    z = logits.astype(np.float64)
+    expected = z[want.token_ids[5]] - (z.max() + np.log(np.exp(z - z.max()).sum()))
+    assert want.logprobs[5].logprob == pytest.approx(expected, abs=1e-5)
+    sampled = spec.generate(prompt, max_new_tokens=12, temperature=0.8, seed=3, logprobs=0)
+    assert len(sampled.logprobs) == len(sampled.token_ids) and all(e.top == () for e in sampled.logprobs)
+    assert all(e.logprob <= 0.0 for e in sampled.logprobs)
+    assert plain.generate(prompt, max_new_tokens=4).logprobs is None  # off by default
+    with pytest.raises(ConfigError, match="logprobs"):
+        GenerationConfig(logprobs=21)
