@@ -24,6 +24,19 @@ def test_generate_json(tiny_engine):
     assert out["stats"]["new_tokens"] == len(out["token_ids"])
 
 
+def test_generate_json_with_logprobs(tiny_engine):
+    p = run("generate", "--engine", str(tiny_engine), "--raw", "The quick", "--max-new-tokens", "6", "--json",
+            "--logprobs", "2", "--drafter", "none")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert [e["token_id"] for e in out["logprobs"]] == out["token_ids"]
+    for e in out["logprobs"]:
+        assert len(e["top"]) == 2 and e["top"][0]["token_id"] == e["token_id"]  # greedy: the likeliest
+        assert e["logprob"] <= 0 and isinstance(e["token"], str)
+    p = run("generate", "--engine", str(tiny_engine), "hi", "--logprobs", "2")
+    assert p.returncode == 2 and "--logprobs needs --json" in p.stderr and "[load]" not in p.stderr
+
+
 def test_generate_streams_text_and_reports(tiny_engine):
     p = run("generate", "--engine", str(tiny_engine), "hello", "--max-new-tokens", "5")
     assert p.returncode == 0 and "tok/s" in p.stderr

@@ -30,9 +30,9 @@ def register(sub) -> None:
 
 def cmd_chat(args) -> int:
     check_outputs(args)
-    pipe = load_engine(args, drafter=args.drafter)
     # Each turn starts from the K/V of the conversation so far: it prefills its new message only.
     cfg = replace(generation_config(args), reuse_prefix=args.prompt_cache)
+    pipe = load_engine(args, drafter=args.drafter)
     outputs = Outputs(pipe, args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []

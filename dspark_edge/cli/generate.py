@@ -37,7 +37,7 @@ def answer(pipe, prompt, cfg, as_json: bool):
     except GenerationError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         if as_json and exc.partial is not None:
-            print(json.dumps(result_json(exc.partial)))
+            print(json.dumps(result_json(exc.partial, pipe.tokenizer)))
         return None
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated): what was decided is not lost
         stream.close()  # ends the generation now; the pipeline stays usable
@@ -51,7 +51,7 @@ def answer(pipe, prompt, cfg, as_json: bool):
         raise
     r = stream.result
     if as_json:
-        print(json.dumps(result_json(r)), flush=True)
+        print(json.dumps(result_json(r, pipe.tokenizer)), flush=True)
     else:
         print(flush=True)
         s = r.stats
@@ -61,9 +61,19 @@ def answer(pipe, prompt, cfg, as_json: bool):
     return r
 
 
-def result_json(r) -> dict:
-    return {"text": r.text, "token_ids": list(r.token_ids), "stop_reason": r.stop_reason, "error": r.error,
-            "stats": r.stats.as_dict()}
+def result_json(r, tokenizer=None) -> dict:
+    """The JSON record of a result; with log-probabilities, one entry per token (its text by
+    ``tokenizer`` when given)."""
+    out = {"text": r.text, "token_ids": list(r.token_ids), "stop_reason": r.stop_reason, "error": r.error,
+           "stats": r.stats.as_dict()}
+    if r.logprobs is not None:
+        def text(tid: int) -> dict:
+            return {} if tokenizer is None else {"token": tokenizer.decode([tid], skip_special_tokens=False)}
+
+        out["logprobs"] = [{"token_id": e.token_id, **text(e.token_id), "logprob": e.logprob,
+                            "top": [{"token_id": t, **text(t), "logprob": lp} for t, lp in e.top]}
+                           for e in r.logprobs]
+    return out
 
 
 def _prompt_text(args) -> str:
@@ -86,13 +96,13 @@ def _prompt_text(args) -> str:
 def cmd_generate(args) -> int:
     check_outputs(args)
     text = _prompt_text(args)
+    cfg = generation_config(args)  # a bad option is reported before the engine loads
     pipe = load_engine(args, drafter=args.drafter)
     if args.raw:
         prompt = text
     else:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
                  [{"role": "user", "content": text}]
-    cfg = generation_config(args)
     outputs = Outputs(pipe, args)
     try:
         return 0 if answer(pipe, prompt, cfg, args.json) is not None else 1

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from ..backends import BackendOptions
 from ..config import GenerationConfig
+from ..errors import ConfigError
 from ..drafters import spec as drafter_spec
 
 
@@ -49,7 +50,6 @@ def engine_args(p: argparse.ArgumentParser, auto_precision: bool = False) -> Non
 def scheduler_config(args):
     import dataclasses
 
-    from ..errors import ConfigError
     from ..scheduler import SchedulerConfig
 
     if args.no_scheduler:
@@ -134,6 +134,9 @@ def generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                         "position's token drawn with noise seeded by (seed, position), so the answer is plain "
                         "decoding's for that seed whatever the drafter and widths")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each new token's log-probability under the model and the K likeliest "
+                        "tokens there (0-20)")
     p.add_argument("--context-policy", choices=("error", "truncate"), default="error",
                    help="a prompt longer than the context: fail (default) or keep its tail")
     p.add_argument("--trace", default=None, metavar="JSONL",
@@ -147,9 +150,11 @@ def generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
 
 
 def generation_config(args) -> GenerationConfig:
+    if args.logprobs is not None and not getattr(args, "json", False):
+        raise ConfigError("--logprobs needs --json: the log-probabilities come in the JSON record")
     return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), draft_tokens=args.draft_tokens,
-                            context_policy=args.context_policy, sampling=args.sampling)
+                            context_policy=args.context_policy, sampling=args.sampling, logprobs=args.logprobs)
 
 
 def check_outputs(args) -> None:
