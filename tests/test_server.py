@@ -422,15 +422,16 @@ def test_parallel_requests_are_batched_and_answered_as_alone(tiny_engine, shared
 
     prompts = ["def add(a, b):", "The quick brown fox", "one two three", "hello"]
     with dspark_edge.load(tiny_engine, "fp32", drafter="ngram") as pipe:
-        want = [pipe.generate(p, max_new_tokens=24, ignore_eos=True).text for p in prompts]
+        alone = [pipe.generate(p, max_new_tokens=24, ignore_eos=True, logprobs=1) for p in prompts]
+        want = [r.text for r in alone]
         app = build_app(pipe, ServeConfig(model="tiny", parallel=3, shared_verify=shared_verify))
         with running(app) as url:
-            c, got = client(url), {}
+            c, got, logprobs = client(url), {}, {}
 
             def ask(i):
                 r = c.completions.create(model="tiny", prompt=prompts[i], max_tokens=24, temperature=0,
-                                         extra_body={"ignore_eos": True})
-                got[i] = r.choices[0].text
+                                         logprobs=1, extra_body={"ignore_eos": True})
+                got[i], logprobs[i] = r.choices[0].text, r.choices[0].logprobs.token_logprobs
 
             threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(len(prompts))]
             for t in threads:
@@ -438,6 +439,8 @@ def test_parallel_requests_are_batched_and_answered_as_alone(tiny_engine, shared
             for t in threads:
                 t.join(timeout=60)
             assert [got.get(i) for i in range(len(prompts))] == want
+            for i, r in enumerate(alone):  # batched passes report the values of the passes alone
+                assert logprobs[i] == pytest.approx([e.logprob for e in r.logprobs], abs=1e-4)
             runner = app.state.worker.pipes[0]._slot[0]
             assert runner.joint == shared_verify
             assert runner.passes["batched"] + runner.passes["slots"] > 0  # the requests shared target passes
