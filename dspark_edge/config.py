@@ -108,6 +108,14 @@ class GenerationConfig:
     there (``TokenLogprob``, at most ``MAX_TOP_LOGPROBS``). They are read from the target pass
     that verified the token (the log-softmax of its logits, before temperature and the top-k /
     top-p filters), so they cost no extra pass and do not depend on the drafter.
+
+    ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, in [-2, 2]) lower the logit of each
+    token the answer (not the prompt) already holds, by the first once and by the second once per
+    occurrence; ``logit_bias`` adds a fixed amount (in [-100, 100]) to the logits of given token
+    ids. They change the target's distribution itself, before temperature and filters, and
+    verification applies them as plain decoding does, to every position of a pass with the drafts
+    before it counted: greedy output stays plain greedy output under them, and sampling follows
+    the changed distribution.
     """
 
     max_new_tokens: int = 256
@@ -126,6 +134,9 @@ class GenerationConfig:
     special_in_content: bool = False  # True: special-token strings in chat content are control tokens
     reuse_prefix: bool = False  # True: reuse the kept K/V of the prefix shared with the last generation
     logprobs: int | None = None  # None: off; k: each new token's log-probability and the k likeliest
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the answer holds already
+    frequency_penalty: float = 0.0  # subtracted once per time the answer holds the token already
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is taken too
 
     def __post_init__(self) -> None:
         import numpy as np
@@ -135,6 +146,14 @@ class GenerationConfig:
         if not isinstance(self.stop, (tuple, list)) or not isinstance(self.stop_token_ids, (tuple, list)):
             raise ConfigError(f"stop and stop_token_ids must be lists, got {self.stop!r} and {self.stop_token_ids!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(sorted(bias.items()))
+        if not isinstance(bias, (tuple, list)) or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in bias):
+            raise ConfigError(f"logit_bias must map token ids to numbers, e.g. {{50256: -100}}, got {self.logit_bias!r}")
+        object.__setattr__(self, "logit_bias", tuple((int(t) if isinstance(t, np.integer) else t,
+                                                       float(b) if isinstance(b, (np.floating, np.integer)) else b)
+                                                      for t, b in bias))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) if isinstance(t, np.integer) else t
                                                          for t in self.stop_token_ids))
         check_field_types(self)  # the types (finite numbers, the Literal fields' values); the ranges follow
@@ -157,12 +176,27 @@ class GenerationConfig:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ConfigError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the likeliest "
                               f"tokens listed beside each new one), got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)!r}")
+        for t, b in self.logit_bias:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ConfigError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+                raise ConfigError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ConfigError("logit_bias names a token id twice")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ConfigError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def reshapes_logits(self) -> bool:
+        """Whether penalties or a logit bias change the target's distribution."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from .decoder import DecoderModel
 from .drafters import create as create_drafter
 from .drafters.base import contract
 from .drafters.spec import own_model
-from .sampling import choose, coupled_choice, token_logprobs
+from .sampling import choose, coupled_choice, reshaped_logits, token_logprobs
 from .scheduler import CostModel, Scheduler, SchedulerConfig
 from .telemetry import Reader, Sampler, Snapshot
 from .tokenizer import IncrementalDecoder, Tokenizer
@@ -444,6 +444,9 @@ class Pipeline:
         if any(t >= vocab for t in config.stop_token_ids):
             raise ConfigError(f"stop_token_ids {list(config.stop_token_ids)} lie outside the vocabulary "
                               f"(ids 0..{vocab - 1})")
+        outside = [t for t, _ in config.logit_bias if t >= vocab]
+        if outside:
+            raise ConfigError(f"logit_bias names token ids {outside[:5]} outside the vocabulary (ids 0..{vocab - 1})")
         ids = self.encode_prompt(prompt, config.special_in_content)
         ids, truncated = self._fit_context(ids, config)
         stream = TextStream(self, ids, truncated, config)
@@ -540,8 +543,12 @@ class TextStream:
                 committed = list(self._prompt_ids)
                 out = p.target.prefill(cache, np.asarray(committed[reuse:], dtype=np.int64),
                                        hidden_sink=spec.hidden_rows)
-                new = [coupled_choice(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, seed, 0) if coupled
-                       else choose(out.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, rng)]
+                first = out.logits[-1]
+                if cfg.reshapes_logits:  # the answer is empty: the logit bias alone applies
+                    first = reshaped_logits(out.logits[-1:], (), (), cfg.presence_penalty, cfg.frequency_penalty,
+                                            cfg.logit_bias)[0]
+                new = [coupled_choice(first, cfg.temperature, cfg.top_k, cfg.top_p, seed, 0) if coupled
+                       else choose(first, cfg.temperature, cfg.top_k, cfg.top_p, rng)]
                 new_logprobs = (token_logprobs(out.logits[-1:], new, cfg.logprobs) if cfg.logprobs is not None
                                 else None)
                 prefill_s = time.perf_counter() - t0

@@ -26,7 +26,7 @@ import numpy as np
 from .config import GenerationConfig, GenerationStats
 from .drafters import Draft, DraftRequest
 from .drafters.base import contract
-from .sampling import token_logprobs
+from .sampling import reshaped_logits, token_logprobs
 from .scheduler import Decision
 from .telemetry import Snapshot
 from .widths import WidthPolicy
@@ -148,9 +148,14 @@ class Speculator:
         # With cfg.logprobs: the latest round's tokens' log-probabilities, read from its pass's
         # logits before the next pass reuses their buffer.
         self.logprobs: list | None = None
+        # With penalties: where the answer starts in ``committed``, and this round's answer so far.
+        self.answer_start = 0
+        self._answer: list[int] = []
 
     def begin(self, committed: list[int], cache) -> None:
-        """After the prefill: bind a drafter that drafts over the target's KV cache, then start it."""
+        """After the prefill: bind a drafter that drafts over the target's KV cache, then start it.
+        ``committed`` is the prompt: what follows it is the answer (penalties count its tokens)."""
+        self.answer_start = len(committed)
         if self.drafter is None:
             return
         try:
@@ -198,6 +203,8 @@ class Speculator:
         offered = draft.trimmed(max(w for w in widths if w <= len(draft) + 1) - 1) if yardstick else None
         draft = draft.trimmed(width - 1)
         # One target pass over [pending, drafts…], and the verdict.
+        if self.cfg.reshapes_logits:
+            self._answer = committed[self.answer_start:] + [pending]
         t_v = time.perf_counter()
         choice = None
         if yardstick is not None and offered is not None:
@@ -284,13 +291,17 @@ class Speculator:
         cfg = self.cfg
         if out is None:
             out = self.target.model.step(cache, np.concatenate(([pending], draft.tokens)).astype(np.int64))
+        logits = out.logits
+        if cfg.reshapes_logits:  # the distribution plain decoding would have at each position
+            logits = reshaped_logits(out.logits[:len(draft) + 1], self._answer, draft.tokens,
+                                     cfg.presence_penalty, cfg.frequency_penalty, cfg.logit_bias)
         if cfg.temperature == 0.0:
-            outcome = verify_greedy(draft.tokens, out.logits)
+            outcome = verify_greedy(draft.tokens, logits)
         elif self.seed is not None:
-            outcome = verify_coupled(draft.tokens, out.logits, cfg.temperature, cfg.top_k, cfg.top_p,
+            outcome = verify_coupled(draft.tokens, logits, cfg.temperature, cfg.top_k, cfg.top_p,
                                      self.seed, position)
         else:
-            outcome = verify_sampling(draft.tokens, draft.q, out.logits, cfg.temperature,
+            outcome = verify_sampling(draft.tokens, draft.q, logits, cfg.temperature,
                                       cfg.top_k, cfg.top_p, self.rng)
         if self.hidden_rows is not None and out.hidden is not None:
             self.hidden_rows.append(out.hidden[:1 + outcome.accepted].copy())

@@ -175,3 +175,32 @@ def token_logprobs(logits: np.ndarray, tokens, top: int) -> list:
             best = tuple((int(i), float(z[i] - lse)) for i in idx)
         out.append(TokenLogprob(int(tok), float(z[int(tok)] - lse), best))
     return out
+
+
+def reshaped_logits(logits: np.ndarray, answer, drafts, presence: float, frequency: float,
+                    bias: tuple[tuple[int, float], ...]) -> np.ndarray:
+    """Rows ``logits`` [n, V] of one pass with OpenAI's presence / frequency penalties and the
+    logit bias applied, as a new float32 array: row i decides the token after ``answer`` (the
+    answer's tokens so far) followed by ``drafts[:i]``, so its penalties count those drafts too
+    (row 0 counts the answer alone). What plain decoding computes at each of those positions."""
+    rows = np.array(logits, dtype=np.float32)
+    if bias:
+        ids = np.fromiter((t for t, _ in bias), dtype=np.int64, count=len(bias))
+        if ids.max() >= rows.shape[1]:
+            from .errors import ConfigError
+
+            raise ConfigError(f"logit_bias names token {int(ids.max())}; the vocabulary has {rows.shape[1]} tokens")
+        rows[:, ids] += np.fromiter((b for _, b in bias), dtype=np.float32, count=len(bias))
+    if presence or frequency:
+        counts: dict[int, int] = {}
+        for t in answer:
+            counts[t] = counts.get(t, 0) + 1
+        for i in range(rows.shape[0]):
+            if i:
+                t = int(drafts[i - 1])
+                counts[t] = counts.get(t, 0) + 1
+            if counts:
+                ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+                n = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+                rows[i, ids] -= presence + frequency * n
+    return rows

@@ -22,7 +22,8 @@ its new message only; ``usage.prompt_tokens_details.cached_tokens`` says how man
 with ``parallel`` N, each request goes to the idle slot that keeps most of its prompt. Asked
 for (chat's ``logprobs``/``top_logprobs``, the completions API's ``logprobs``), each answer
 token's log-probability under the target's distribution and the likeliest tokens there come
-with the answer or with the chunk that streams it (``GenerationConfig.logprobs``).
+with the answer or with the chunk that streams it (``GenerationConfig.logprobs``). Presence and
+frequency penalties and a logit bias reshape the target's distribution (``GenerationConfig``).
 
 What this module does not know: how the pipeline decodes (it only calls ``stream``), and how
 it is run (``cli/serve.py`` binds it to a host and port).
@@ -90,8 +91,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 # by name rather than ignored, so a client never takes an answer for what it did not ask.
 UNHONOURED = {
     "echo": (None, False), "suffix": (None, ""),
-    "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+    "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
 }
 
@@ -119,7 +119,7 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
     it uses checked. ``ignore_eos`` (as llama-server and vLLM take it) decodes ``max_tokens``
     whatever the model says, for benchmarks. ``stream_options.include_usage`` (streams only, as
     OpenAI's API has it) adds a last event with the token counts and no choices. Fields that would
-    change the answer and are not honoured (``UNHONOURED``: echo, tools, penalties, …) are
+    change the answer and are not honoured (``UNHONOURED``: echo, best_of, tools, …) are
     refused unless they ask for nothing; fields that do not change it (``model``, ``user``, …)
     are ignored."""
     if not isinstance(body, dict):
@@ -171,6 +171,7 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
         raise BadRequest("'cache_prompt' must be true or false", "cache_prompt")
     options = body.get("stream_options")
     logprobs = _logprobs_wanted(body, chat)
+    bias = _logit_bias(body)
     include_usage = False
     if options is not None:
         if not stream:
@@ -182,6 +183,9 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
                            temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
                            top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)), seed=seed, stop=stop,
                            ignore_eos=ignore_eos, reuse_prefix=cache_prompt, logprobs=logprobs,
+                           presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
+                           frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
+                           logit_bias=bias,
                            # a seed makes the answer a function of the seed alone, whatever the
                            # scheduler chose under the server's load at the time
                            sampling="rejection" if seed is None else "coupled")
@@ -208,6 +212,31 @@ def _logprobs_wanted(body: dict, chat: bool) -> int | None:
     if wanted is None or wanted is False:
         return None
     return _number(body, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS, integer=True)
+
+
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: an object of token ids (as strings, as JSON keys are) to numbers in
+    [-100, 100]; the ids are checked against the vocabulary when the request runs."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids (as strings) to "
+                         "numbers in [-100, 100], e.g. {\"50256\": -100}", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):
+            raise BadRequest(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise BadRequest(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for token {key}",
+                             "logit_bias")
+        out[int(key)] = float(value)
+    if len(out) < len(bias):
+        raise BadRequest("'logit_bias' names a token id twice (e.g. \"7\" and \"07\")", "logit_bias")
+    return tuple(sorted(out.items()))
 
 
 def _logprobs_body(entries, chat: bool, decode, offset: int = 0) -> dict:

@@ -154,6 +154,18 @@ def test_logprobs_are_the_pipelines_streamed_or_not(served):
     assert offsets == lp.text_offset  # counted over the whole answer, not per chunk
 
 
+def test_penalties_and_logit_bias_give_the_pipelines_answer(served):
+    url, ref = served
+    c = client(url)
+    kw = {"presence_penalty": 0.5, "frequency_penalty": 1.0}
+    r = c.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=20, temperature=0, **kw)
+    assert r.choices[0].text == ref.generate("def add(a, b):", max_new_tokens=20, **kw).text
+    forced = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
+                                       logit_bias={"5": 100}, extra_body={"ignore_eos": True})
+    want = ref.generate(MESSAGES, max_new_tokens=6, ignore_eos=True, logit_bias={5: 100.0})
+    assert want.token_ids == (5,) * 6 and forced.choices[0].message.content == want.text
+
+
 def test_a_conversations_next_turn_reuses_the_kv_of_the_last_and_answers_as_from_scratch(served):
     url, ref = served
     c = client(url)
@@ -218,7 +230,12 @@ def test_a_client_leaving_mid_stream_cancels_its_request(served):
     ({"messages": MESSAGES, "top_logprobs": 2}, 400, "needs \"logprobs\": true"),
     ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "'top_logprobs' must be"),
     ({"messages": MESSAGES, "echo": True}, 400, "'echo' is not supported"),
-    ({"messages": MESSAGES, "presence_penalty": 0.5}, 400, "'presence_penalty' is not supported"),
+    ({"messages": MESSAGES, "presence_penalty": 2.5}, 400, "'presence_penalty' must be"),
+    ({"messages": MESSAGES, "logit_bias": {"x": 1}}, 400, "'logit_bias' keys must be token ids"),
+    ({"messages": MESSAGES, "logit_bias": {"5": 200}}, 400, "'logit_bias' values must be"),
+    ({"messages": MESSAGES, "logit_bias": {"7": 1, "07": 2}}, 400, "names a token id twice"),
+    ({"messages": MESSAGES, "logit_bias": {"99999999": 1}}, 400, "outside the vocabulary"),
+    ({"messages": MESSAGES, "best_of": 3}, 400, "'best_of' is not supported"),
     ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "'response_format' is not supported"),
     ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not"),
     ({"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "'stream_options' must"),

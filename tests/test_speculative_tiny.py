@@ -496,3 +496,31 @@ def test_logprobs_are_the_targets_own_whatever_the_drafts(plain, tiny_engine, ti
     assert plain.generate(prompt, max_new_tokens=4).logprobs is None  # off by default
     with pytest.raises(ConfigError, match="logprobs"):
         GenerationConfig(logprobs=21)
+
+
+def test_penalties_and_logit_bias_keep_speculative_output_plain(plain, tiny_engine, tiny_draft_self):
+    """Presence / frequency penalties and a logit bias reshape the target's distribution; every
+    position of a speculative pass is reshaped as plain decoding reshapes it (the drafts before it
+    counted), so greedy and coupled answers stay plain decoding's under them."""
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=tiny_draft_self)
+    kw = dict(max_new_tokens=24, ignore_eos=True, presence_penalty=0.4, frequency_penalty=0.8)
+    changed, accepted = 0, 0
+    for prompt in PROMPTS[:6]:
+        want = plain.generate(prompt, **kw)
+        got = spec.generate(prompt, min_survival=0.0, **kw)
+        assert got.token_ids == want.token_ids, prompt
+        accepted += got.stats.draft_n_accepted
+        changed += want.token_ids != plain.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids
+    assert accepted > 0 and changed > 0  # drafts were accepted under the penalties, and the penalties acted
+    forced = spec.generate(PROMPTS[0], max_new_tokens=8, ignore_eos=True, logit_bias={5: 100.0})
+    assert forced.token_ids == (5,) * 8
+    ckw = dict(max_new_tokens=16, temperature=0.9, sampling="coupled", seed=4, frequency_penalty=1.0,
+               logit_bias={7: 2.0})
+    for prompt in PROMPTS[:3]:
+        assert spec.generate(prompt, **ckw).token_ids == plain.generate(prompt, **ckw).token_ids
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        plain.generate(PROMPTS[0], logit_bias={10**6: 1.0})
+    with pytest.raises(ConfigError, match="presence_penalty"):
+        GenerationConfig(presence_penalty=3.0)
+    with pytest.raises(ConfigError, match="logit_bias values"):
+        GenerationConfig(logit_bias={3: float("nan")})
