@@ -35,6 +35,15 @@ def test_generate_json_with_logprobs(tiny_engine):
         assert e["logprob"] <= 0 and isinstance(e["token"], str)
     p = run("generate", "--engine", str(tiny_engine), "hi", "--logprobs", "2")
     assert p.returncode == 2 and "--logprobs needs --json" in p.stderr and "[load]" not in p.stderr
+    p = run("generate", "--engine", str(tiny_engine), "hi", "--logit-bias", "abc")
+    assert p.returncode == 2 and "expected ID=BIAS" in p.stderr
+    p = run("generate", "--engine", str(tiny_engine), "--raw", "The quick", "--max-new-tokens", "6", "--json",
+            "--frequency-penalty", "1.5", "--logit-bias", "7=3", "--drafter", "none")
+    assert p.returncode == 0, p.stderr
+    import dspark_edge
+    with dspark_edge.load(tiny_engine, drafter="none") as pipe:
+        want = pipe.generate("The quick", max_new_tokens=6, frequency_penalty=1.5, logit_bias={7: 3.0})
+    assert json.loads(p.stdout)["token_ids"] == list(want.token_ids)
 
 
 def test_generate_streams_text_and_reports(tiny_engine):

@@ -134,6 +134,12 @@ def generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                         "position's token drawn with noise seeded by (seed, position), so the answer is plain "
                         "decoding's for that seed whatever the drafter and widths")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="lower the logit of every token the answer holds already by this (-2 to 2; 0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="lower a token's logit by this once per time the answer holds it (-2 to 2; 0 = off)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (-100 to 100) to token ID's logit (repeatable)")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="with --json: each new token's log-probability under the model and the K likeliest "
                         "tokens there (0-20)")
@@ -152,9 +158,20 @@ def generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
 def generation_config(args) -> GenerationConfig:
     if args.logprobs is not None and not getattr(args, "json", False):
         raise ConfigError("--logprobs needs --json: the log-probabilities come in the JSON record")
+    bias = {}
+    for item in args.logit_bias:
+        key, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            bias[int(key)] = float(value)
+        except ValueError:
+            raise ConfigError(f"--logit-bias {item!r}: expected ID=BIAS, e.g. --logit-bias 2=-100") from None
     return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), draft_tokens=args.draft_tokens,
-                            context_policy=args.context_policy, sampling=args.sampling, logprobs=args.logprobs)
+                            context_policy=args.context_policy, sampling=args.sampling, logprobs=args.logprobs,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            logit_bias=bias)
 
 
 def check_outputs(args) -> None:
