@@ -472,11 +472,13 @@ def test_a_server_reads_its_pass_cost_table_from_the_device_profile(tiny_engine,
         assert runner.costs_from == "measured" and min(runner.costs.curve) == 3
 
 
-@pytest.mark.parametrize("drafter", ["self:int8", "ngram+self"])
-def test_batched_self_drafting_keeps_each_answer_and_shares_one_copy(tiny_engine, drafter):
+@pytest.mark.parametrize("drafter", ["self:int8", "ngram+self", "ngram+dspark+self"])
+def test_batched_self_drafting_keeps_each_answer_and_shares_one_copy(tiny_engine, tiny_with_drafter, drafter):
     """The slots' self drafters share one INT8 copy, which drafts over the slot's own row of
-    the runner's K/V while its request is the only one decoding and not while others are:
-    every greedy answer is the one served alone, and coupled sampling's is its seed's."""
+    the runner's K/V while its request is the only one decoding and not while others are (then
+    the cheap drafter's drafts, the DSpark ones of ``ngram+dspark+self`` included, go to the
+    shared pass): every greedy answer is the one served alone, and coupled sampling's is its
+    seed's."""
     from forced_width import ForcedWidthScheduler
 
     prompts = ["one two three four one two three four one two", "a b c d e f a b c d e f a b", PROMPTS[0]]
@@ -484,7 +486,8 @@ def test_batched_self_drafting_keeps_each_answer_and_shares_one_copy(tiny_engine
     def forced(pipe):
         pipe.scheduler = ForcedWidthScheduler(pipe.scheduler, lambda c: min(3, len(c) + 1), "test: drafts")
 
-    with dspark_edge.load(tiny_engine, "fp32", drafter=drafter) as pipe:
+    engine = tiny_with_drafter[0] if "dspark" in drafter else tiny_engine
+    with dspark_edge.load(engine, "fp32", drafter=drafter) as pipe:
         forced(pipe)
         want = [pipe.generate(p, max_new_tokens=32, ignore_eos=True).token_ids for p in prompts]
         slots = pipe.batch_slots(3, gather_s=0.5)
@@ -502,6 +505,8 @@ def test_batched_self_drafting_keeps_each_answer_and_shares_one_copy(tiny_engine
         assert got == want
         barred = [r for r in rounds if r.drafting and "other requests are decoding" in r.drafting.get("why", "")]
         assert barred, "with other requests decoding, a slot's copy must not draft"
+        if "dspark" in drafter:
+            assert "dspark" in [r.drafting["source"] for r in barred], "the DSpark drafts go to the shared pass"
         kw = {"max_new_tokens": 24, "temperature": 0.9, "sampling": "coupled", "ignore_eos": True}
         want = [pipe.generate(p, seed=i, **kw).token_ids for i, p in enumerate(prompts)]
         assert _run_all(slots, [(i, p, {**kw, "seed": i}) for i, p in enumerate(prompts)]) == want
@@ -534,37 +539,3 @@ def test_a_dummy_row_writes_past_what_its_slot_may_still_commit(tiny_engine):
     for x, arr in zip(before, runner._kv.arrays):
         np.testing.assert_array_equal(x, arr[0, :, :6])
 
-
-def test_batched_hybrid_drafting_keeps_each_answer(tiny_with_drafter):
-    """``ngram+dspark+self`` in batched slots: alone a slot drafts with the pair and the shared
-    INT8 copy, and with others decoding it offers the pair's drafts to the shared pass; each
-    greedy answer is the one served alone, and coupled sampling's is its seed's."""
-    from forced_width import ForcedWidthScheduler
-
-    engine = tiny_with_drafter[0]
-    prompts = ["one two three four one two three four one two", "a b c d e f a b c d e f a b", PROMPTS[0]]
-
-    def forced(pipe):
-        pipe.scheduler = ForcedWidthScheduler(pipe.scheduler, lambda c: min(3, len(c) + 1), "test: drafts")
-
-    with dspark_edge.load(engine, "fp32", drafter="ngram+dspark+self") as pipe:
-        forced(pipe)
-        want = [pipe.generate(p, max_new_tokens=32, ignore_eos=True).token_ids for p in prompts]
-        slots = pipe.batch_slots(3, gather_s=0.5)
-        runner = slots[0]._slot[0]
-        assert len({id(s.drafter.model) for s in slots}) == 1 and runner.copy is slots[0].drafter.model
-        for s in slots:
-            forced(s)
-        alone = slots[1].generate(prompts[2], max_new_tokens=32, ignore_eos=True)
-        assert alone.token_ids == want[2] and alone.stats.draft_n > 0 and runner.passes["copy"] > 0
-        rounds: list = []
-        slots[0].observers.append(type("Obs", (), {"on_round": lambda self, info: rounds.append(info),
-                                                  "__getattr__": lambda self, n: (lambda *a, **k: None)})())
-        got = _run_all(slots, [(i, p, {"max_new_tokens": 32, "ignore_eos": True}) for i, p in enumerate(prompts)])
-        assert got == want
-        offered = [r.drafting["source"] for r in rounds
-                   if r.drafting and "other requests are decoding" in r.drafting.get("why", "")]
-        assert "dspark" in offered, "with others decoding, the pair's DSpark drafts go to the shared pass"
-        kw = {"max_new_tokens": 24, "temperature": 0.9, "sampling": "coupled", "ignore_eos": True}
-        want = [pipe.generate(p, seed=i, **kw).token_ids for i, p in enumerate(prompts)]
-        assert _run_all(slots, [(i, p, {**kw, "seed": i}) for i, p in enumerate(prompts)]) == want
