@@ -112,9 +112,10 @@ def test_sampling_reproducible_with_seed(tiny_engine, tiny_draft_poor):
     assert spec.generate(PROMPTS[0], cfg).token_ids == spec.generate(PROMPTS[0], cfg).token_ids
 
 
-def _exact_joint(pipe, prompt_ids, top_k, depth=3):
-    """Exact probabilities of the first ``depth`` sampled tokens under the target (top-k, T=1)."""
-    from dspark_edge.sampling import probs
+def _exact_joint(pipe, prompt_ids, top_k, depth=3, presence=0.0, frequency=0.0, bias=()):
+    """Exact probabilities of the first ``depth`` sampled tokens under the target (top-k, T=1),
+    its logits reshaped by the given penalties and logit bias over the answer so far."""
+    from dspark_edge.sampling import probs, reshaped_logits
 
     t = pipe.target
     out = {}
@@ -124,8 +125,8 @@ def _exact_joint(pipe, prompt_ids, top_k, depth=3):
             out[tuple(prefix)] = prob
             return
         cache = t.new_cache()
-        logits = t.prefill(cache, np.asarray(prompt_ids + prefix, dtype=np.int64)).logits[-1]
-        p = probs(logits, 1.0, top_k, 1.0)
+        logits = t.prefill(cache, np.asarray(prompt_ids + prefix, dtype=np.int64)).logits[-1:]
+        p = probs(reshaped_logits(logits, prefix, (), presence, frequency, bias)[0], 1.0, top_k, 1.0)
         for x in np.flatnonzero(p):
             walk(prefix + [int(x)], prob * p[x])
 
@@ -175,6 +176,21 @@ def test_sampled_speculative_follows_target_distribution(plain, tiny_engine, tin
     assert drafted > 0  # the drafts are really there to be judged
     exact = _exact_joint(spec, spec.encode_prompt(prompt), top_k=4)
     assert not _chi2_rejects(spec, prompt, exact, 3000, 4)
+
+
+def test_sampled_speculative_follows_the_penalised_distribution(tiny_engine, tiny_draft_poor):
+    """Rejection sampling under presence / frequency penalties and a logit bias draws from the
+    reshaped target distribution (the draft model's q knows nothing of them)."""
+    prompt = "The quick brown fox The quick brown"
+    spec = dspark_edge.load(tiny_engine, scheduler=False, drafter=tiny_draft_poor)
+    shape = {"presence_penalty": 0.7, "frequency_penalty": 0.9}
+    ids = spec.encode_prompt(prompt)
+    first = np.argsort(spec.target.prefill(spec.target.new_cache(), np.asarray(ids, dtype=np.int64)).logits[-1])
+    bias = ((int(first[-1]), -1.5), (int(first[-5]), 1.0))  # the likeliest first token made rarer, another likelier
+    exact = _exact_joint(spec, ids, top_k=4, presence=0.7, frequency=0.9, bias=bias)
+    plain_exact = _exact_joint(spec, ids, top_k=4)
+    assert max(abs(exact.get(k, 0.0) - plain_exact.get(k, 0.0)) for k in exact | plain_exact) > 0.02  # it reshapes
+    assert not _chi2_rejects(spec, prompt, exact, 3000, 4, logit_bias=dict(bias), **shape)
 
 
 def test_distribution_check_catches_a_wrong_acceptance_rule(tiny_engine, tiny_draft_poor, monkeypatch):
