@@ -546,5 +546,5 @@ class SlotModel:
         return self.runner.forward(cache, ids)
 
     def prefill(self, cache: SlotCache, ids: np.ndarray, chunk: int = PREFILL_CHUNK,
-                hidden_sink: list | None = None) -> ForwardOutput:
-        return prefill_in_chunks(self.runner.forward, cache, ids, chunk, hidden_sink)
+                hidden_sink: list | None = None, logits_sink=None) -> ForwardOutput:
+        return prefill_in_chunks(self.runner.forward, cache, ids, chunk, hidden_sink, logits_sink)

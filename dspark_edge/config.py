@@ -108,6 +108,10 @@ class GenerationConfig:
     there (``TokenLogprob``, at most ``MAX_TOP_LOGPROBS``). They are read from the target pass
     that verified the token (the log-softmax of its logits, before temperature and the top-k /
     top-p filters), so they cost no extra pass and do not depend on the drafter.
+    ``prompt_logprobs`` records the same for every prompt token after the first, from the
+    prefill's logits (``GenerationResult.prompt_logprobs``, None for the first token); the whole
+    prompt is then prefilled (``reuse_prefix`` is not applied), and ``max_new_tokens`` may be 0
+    to score a text without answering it.
 
     ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, in [-2, 2]) lower the logit of each
     token the answer (not the prompt) already holds, by the first once and by the second once per
@@ -134,6 +138,7 @@ class GenerationConfig:
     special_in_content: bool = False  # True: special-token strings in chat content are control tokens
     reuse_prefix: bool = False  # True: reuse the kept K/V of the prefix shared with the last generation
     logprobs: int | None = None  # None: off; k: each new token's log-probability and the k likeliest
+    prompt_logprobs: int | None = None  # None: off; k: the same for every prompt token after the first
     presence_penalty: float = 0.0  # subtracted from the logit of every token the answer holds already
     frequency_penalty: float = 0.0  # subtracted once per time the answer holds the token already
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is taken too
@@ -173,9 +178,11 @@ class GenerationConfig:
             raise ConfigError(f"seed must be a non-negative integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ConfigError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the likeliest "
-                              f"tokens listed beside each new one), got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise ConfigError(f"{name} must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the likeliest "
+                                  f"tokens listed beside each token), got {k!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ConfigError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)!r}")
@@ -275,3 +282,5 @@ class GenerationResult:
     error: str | None = None
     prompt_ids: tuple[int, ...] = ()  # the prompt as the target read it (after the chat template, any truncation)
     logprobs: tuple[TokenLogprob, ...] | None = None  # with GenerationConfig.logprobs: one per token_ids entry
+    # with GenerationConfig.prompt_logprobs: one per prompt_ids entry, None for the first
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None

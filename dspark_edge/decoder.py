@@ -82,15 +82,17 @@ class DecoderModel:
                               f"{self.widths}; pick one of those")
 
     def prefill(self, cache: KVCache, ids: np.ndarray, chunk: int = PREFILL_CHUNK,
-                hidden_sink: list | None = None) -> ForwardOutput:
+                hidden_sink: list | None = None, logits_sink=None) -> ForwardOutput:
         """Run and commit all of ``ids``; returns the last chunk's output. With ``hidden_sink``,
-        a copy of every chunk's hidden states ([n, H * layers]) is appended to it."""
+        a copy of every chunk's hidden states ([n, H * layers]) is appended to it; with
+        ``logits_sink``, it is called with every chunk's logits ([n, V]) before the next chunk
+        runs (their buffer is reused)."""
         chunk = min(chunk, self.session.max_step)  # e.g. a TensorRT engine's prefill profile
-        return prefill_in_chunks(self.session.forward, cache, ids, chunk, hidden_sink)
+        return prefill_in_chunks(self.session.forward, cache, ids, chunk, hidden_sink, logits_sink)
 
 
 def prefill_in_chunks(forward, cache: KVCache, ids: np.ndarray, chunk: int,
-                      hidden_sink: list | None = None) -> ForwardOutput:
+                      hidden_sink: list | None = None, logits_sink=None) -> ForwardOutput:
     """``forward(cache, part)`` over ``ids`` in chunks of at most ``chunk``, committing each;
     the last chunk's output (see ``DecoderModel.prefill``)."""
     out = None
@@ -100,6 +102,8 @@ def prefill_in_chunks(forward, cache: KVCache, ids: np.ndarray, chunk: int,
         cache.commit(part.shape[0])
         if hidden_sink is not None and out.hidden is not None:
             hidden_sink.append(out.hidden.copy())
+        if logits_sink is not None:
+            logits_sink(out.logits)
     if out is None:
         raise ConfigError("prefill needs at least one token")
     return out

@@ -524,8 +524,9 @@ class TextStream:
         detok = IncrementalDecoder(p.tokenizer)
         cache = p._cache
         reuse = 0
-        # A drafter that reads hidden states needs the whole prompt's.
-        if cfg.reuse_prefix and spec.hidden_rows is None and cache.length == len(p._kept):
+        # A drafter that reads hidden states needs the whole prompt's, and so does scoring it.
+        if cfg.reuse_prefix and spec.hidden_rows is None and cfg.prompt_logprobs is None \
+                and cache.length == len(p._kept):
             reuse = p.reusable(self._prompt_ids)
         p._kept = ()  # claimed: kept again only if this generation ends cleanly
         if reuse:
@@ -538,11 +539,22 @@ class TextStream:
         t0 = time.perf_counter()
         prefill_s = 0.0
         new_from_draft = 0  # how many of ``new`` are accepted drafts (the rest: the target's own)
+        scored: list[TokenLogprob] = []  # with cfg.prompt_logprobs: prompt tokens 1, 2, … scored
+        prompt = self._prompt_ids
+
+        def score(rows: np.ndarray) -> None:  # a prefill chunk's rows: row r decides the token after it
+            nxt = prompt[len(scored) + 1:len(scored) + 1 + rows.shape[0]]
+            scored.extend(token_logprobs(rows[:len(nxt)], nxt, cfg.prompt_logprobs))
+
+        sink = score if cfg.prompt_logprobs is not None else None
         try:
-            if cfg.max_new_tokens > 0:
+            if cfg.max_new_tokens == 0 and sink is not None:  # the prompt scored, nothing answered
+                p.target.prefill(cache, np.asarray(prompt, dtype=np.int64), logits_sink=sink)
+                prefill_s = time.perf_counter() - t0
+            elif cfg.max_new_tokens > 0:
                 committed = list(self._prompt_ids)
                 out = p.target.prefill(cache, np.asarray(committed[reuse:], dtype=np.int64),
-                                       hidden_sink=spec.hidden_rows)
+                                       hidden_sink=spec.hidden_rows, logits_sink=sink)
                 first = out.logits[-1]
                 if cfg.reshapes_logits:  # the answer is empty: the logit bias alone applies
                     first = reshaped_logits(out.logits[-1:], (), (), cfg.presence_penalty, cfg.frequency_penalty,
@@ -612,7 +624,8 @@ class TextStream:
                           drafter_disabled=spec.disabled, modes=dict(st.modes), prompt_reused=reuse)
         self.result = GenerationResult(text=text, token_ids=tuple(self.token_ids), stop_reason=stop_reason,
                                        stats=stats, error=error, prompt_ids=tuple(int(t) for t in self._prompt_ids),
-                                       logprobs=tuple(self.logprobs) if cfg.logprobs is not None else None)
+                                       logprobs=tuple(self.logprobs) if cfg.logprobs is not None else None,
+                                       prompt_logprobs=(None, *scored) if sink is not None else None)
         if p.observers:
             p._notify("on_generation", self.result)
         if error is not None:

@@ -22,7 +22,8 @@ its new message only; ``usage.prompt_tokens_details.cached_tokens`` says how man
 with ``parallel`` N, each request goes to the idle slot that keeps most of its prompt. Asked
 for (chat's ``logprobs``/``top_logprobs``, the completions API's ``logprobs``), each answer
 token's log-probability under the target's distribution and the likeliest tokens there come
-with the answer or with the chunk that streams it (``GenerationConfig.logprobs``). Presence and
+with the answer or with the chunk that streams it (``GenerationConfig.logprobs``); the
+completions API's ``echo`` adds the prompt and its tokens' (not streamed). Presence and
 frequency penalties and a logit bias reshape the target's distribution (``GenerationConfig``).
 
 What this module does not know: how the pipeline decodes (it only calls ``stream``), and how
@@ -41,6 +42,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from .config import MAX_TOP_LOGPROBS, GenerationConfig
@@ -90,7 +92,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 # values that ask for nothing (what OpenAI's clients send by default): another value is refused
 # by name rather than ignored, so a client never takes an answer for what it did not ask.
 UNHONOURED = {
-    "echo": (None, False), "suffix": (None, ""),
+    "suffix": (None, ""),
     "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
 }
@@ -157,9 +159,10 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
         stop = tuple(stop)
     else:
         raise BadRequest("'stop' must be a string or a list of at most 4 non-empty strings", "stop")
+    echo = _echo(body, chat)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", cfg.default_max_tokens, 1, cfg.max_tokens,
-                         integer=True)
+    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", cfg.default_max_tokens, 0 if echo else 1,
+                         cfg.max_tokens, integer=True)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise BadRequest(f"'seed' must be a non-negative integer, got {seed!r}", "seed")
@@ -183,13 +186,30 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
                            temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
                            top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)), seed=seed, stop=stop,
                            ignore_eos=ignore_eos, reuse_prefix=cache_prompt, logprobs=logprobs,
+                           prompt_logprobs=logprobs if echo else None,
                            presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
                            frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
                            logit_bias=bias,
                            # a seed makes the answer a function of the seed alone, whatever the
                            # scheduler chose under the server's load at the time
                            sampling="rejection" if seed is None else "coupled")
-    return prompt, gen, stream, include_usage
+    return prompt, gen, stream, include_usage, echo
+
+
+def _echo(body: dict, chat: bool) -> bool:
+    """``echo`` (the completions API): the prompt comes back before the answer, and with
+    ``logprobs`` its tokens' log-probabilities before the answer's (``max_tokens`` may then be 0:
+    the prompt scored, nothing answered). Not streamed."""
+    echo = body.get("echo", False)
+    if echo is None or echo is False:
+        return False
+    if echo is not True:
+        raise BadRequest(f"'echo' must be true or false, got {json.dumps(echo)[:80]}", "echo")
+    if chat:
+        raise BadRequest("'echo' belongs to /v1/completions; chat completions do not repeat the messages", "echo")
+    if body.get("stream", False) is True:
+        raise BadRequest("'echo' is served without streaming: leave out \"stream\" or \"echo\"", "echo")
+    return True
 
 
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' "logprobs" bound (OpenAI's legacy API)
@@ -258,7 +278,8 @@ def _logprobs_body(entries, chat: bool, decode, offset: int = 0) -> dict:
         offsets.append(at)
         at += len(t)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{decode(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+            "top_logprobs": [None if e.top is None else {decode(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
 
 
 # --- the worker --------------------------------------------------------------------------------
@@ -497,7 +518,7 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
         if not authorised(request):
             return fail(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
         try:
-            prompt, gen, stream, include_usage = parse_request(await read_json(request), chat, cfg)
+            prompt, gen, stream, include_usage, echo = parse_request(await read_json(request), chat, cfg)
         except BadRequest as exc:
             return fail(exc.status, str(exc), exc.kind, exc.param)
         job = Job(prompt, gen, asyncio.get_running_loop())
@@ -539,6 +560,10 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
             return fail(504, f"the request ran past --request-timeout ({cfg.request_timeout_s:g} s); ask for fewer "
                              "max_tokens", "timeout")
         counters["requests"]("200")
+        if echo:  # the prompt's tokens first, the first one unscored
+            text = prompt + text
+            logprobs = [SimpleNamespace(token_id=result.prompt_ids[0], logprob=None, top=None),
+                        *(result.prompt_logprobs or ())[1:], *logprobs]
         body = (_logprobs_body(logprobs, chat, token_text) if gen.logprobs is not None else None)
         return JSONResponse(_response(rid, created, chat, cfg.model, text, result, body))
 

@@ -154,6 +154,31 @@ def test_logprobs_are_the_pipelines_streamed_or_not(served):
     assert offsets == lp.text_offset  # counted over the whole answer, not per chunk
 
 
+def test_echo_scores_the_prompt(served):
+    """The completions API's ``echo`` with ``logprobs``: the prompt's text and its tokens'
+    log-probabilities (the first unscored) before the answer's; ``max_tokens`` 0 scores the prompt
+    alone, as evaluation harnesses ask."""
+    url, ref = served
+    c = client(url)
+    text = "The quick brown fox jumps over the lazy dog."
+    want = ref.generate(text, max_new_tokens=0, prompt_logprobs=1)
+    r = c.completions.create(model="tiny", prompt=text, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == text and r.usage.completion_tokens == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.tokens) == len(want.prompt_ids) > 3
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in want.prompt_logprobs[1:]], abs=1e-5)
+    answered = c.completions.create(model="tiny", prompt=text, max_tokens=5, echo=True, logprobs=0, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    alone = ref.generate(text, max_new_tokens=5, ignore_eos=True)
+    assert answered.choices[0].text == text + alone.text
+    assert len(answered.choices[0].logprobs.tokens) == len(want.prompt_ids) + 5
+    for body, fragment in [({"echo": True, "stream": True}, "without streaming"), ({"echo": "yes"}, "'echo' must be"),
+                           ({"max_tokens": 0}, "'max_tokens' must be")]:
+        bad = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": text, **body}, timeout=60)
+        assert bad.status_code == 400 and fragment in bad.json()["error"]["message"]
+
+
 def test_penalties_and_logit_bias_give_the_pipelines_answer(served):
     url, ref = served
     c = client(url)
@@ -229,7 +254,7 @@ def test_a_client_leaving_mid_stream_cancels_its_request(served):
     ({"messages": MESSAGES, "logprobs": 2}, 400, "'logprobs' must be true or false"),
     ({"messages": MESSAGES, "top_logprobs": 2}, 400, "needs \"logprobs\": true"),
     ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "'top_logprobs' must be"),
-    ({"messages": MESSAGES, "echo": True}, 400, "'echo' is not supported"),
+    ({"messages": MESSAGES, "echo": True}, 400, "'echo' belongs to /v1/completions"),
     ({"messages": MESSAGES, "presence_penalty": 2.5}, 400, "'presence_penalty' must be"),
     ({"messages": MESSAGES, "logit_bias": {"x": 1}}, 400, "'logit_bias' keys must be token ids"),
     ({"messages": MESSAGES, "logit_bias": {"5": 200}}, 400, "'logit_bias' values must be"),

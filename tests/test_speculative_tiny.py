@@ -540,3 +540,25 @@ def test_penalties_and_logit_bias_keep_speculative_output_plain(plain, tiny_engi
         GenerationConfig(presence_penalty=3.0)
     with pytest.raises(ConfigError, match="logit_bias values"):
         GenerationConfig(logit_bias={3: float("nan")})
+
+
+def test_prompt_logprobs_score_every_prompt_token_across_prefill_chunks(plain, tiny_engine):
+    """``prompt_logprobs``: one entry per prompt token (None for the first), each the log-softmax
+    of the prefill's logits at the position before it, across prefill chunks; with
+    ``max_new_tokens`` 0 the prompt is scored and nothing answered, and a kept prefix is not reused."""
+    from dspark_edge.decoder import PREFILL_CHUNK
+
+    text = " ".join(PROMPTS[:40])
+    r = plain.generate(text, max_new_tokens=0, prompt_logprobs=2)
+    ids = list(r.prompt_ids)
+    assert len(ids) > PREFILL_CHUNK + 2 and r.token_ids == () and len(r.prompt_logprobs) == len(ids)
+    assert r.prompt_logprobs[0] is None and [e.token_id for e in r.prompt_logprobs[1:]] == ids[1:]
+    for j in (1, PREFILL_CHUNK - 1, PREFILL_CHUNK, PREFILL_CHUNK + 1, len(ids) - 1):
+        z = plain.target.prefill(plain.target.new_cache(), np.asarray(ids[:j], dtype=np.int64)).logits[-1]
+        z = z.astype(np.float64)
+        assert r.prompt_logprobs[j].logprob == pytest.approx(z[ids[j]] - (z.max() + np.log(np.exp(z - z.max()).sum())),
+                                                             abs=1e-4)
+        assert len(r.prompt_logprobs[j].top) == 2
+    plain.generate(text, max_new_tokens=4, reuse_prefix=True)  # keeps its K/V
+    again = plain.generate(text, max_new_tokens=4, reuse_prefix=True, prompt_logprobs=0)
+    assert again.stats.prompt_reused == 0 and len(again.prompt_logprobs) == len(ids)
