@@ -116,12 +116,14 @@ def _same(value: Any, neutral: Any) -> bool:
     return value == neutral
 
 
-def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, GenerationConfig, bool, bool]:
-    """(prompt, generation config, stream, include_usage) of an OpenAI request body, every field
-    it uses checked. ``ignore_eos`` (as llama-server and vLLM take it) decodes ``max_tokens``
+def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, GenerationConfig, bool, bool, bool]:
+    """(prompt, generation config, stream, include_usage, echo) of an OpenAI request body, every
+    field it uses checked. ``ignore_eos`` (as llama-server and vLLM take it) decodes ``max_tokens``
     whatever the model says, for benchmarks. ``stream_options.include_usage`` (streams only, as
-    OpenAI's API has it) adds a last event with the token counts and no choices. Fields that would
-    change the answer and are not honoured (``UNHONOURED``: echo, best_of, tools, …) are
+    OpenAI's API has it) adds a last event with the token counts and no choices. Log-probabilities
+    (``_logprobs_wanted``), ``echo`` (``_echo``), the penalties and ``logit_bias`` (``_logit_bias``)
+    go into the generation config. Fields that would
+    change the answer and are not honoured (``UNHONOURED``: suffix, best_of, tools, …) are
     refused unless they ask for nothing; fields that do not change it (``model``, ``user``, …)
     are ignored."""
     if not isinstance(body, dict):
