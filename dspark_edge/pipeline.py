@@ -44,7 +44,8 @@ from .widths import FixedLength, Scheduled, SurvivalCut
 
 log = logging.getLogger(__name__)
 
-Prompt = str | Sequence[Mapping[str, str]]
+# Text (used as is), chat messages (through the chat template), or token ids (used as they are).
+Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
 
 
 def load(engine_dir: str | Path, precision: str | None = None, *, drafter=None, backend: str = "onnxruntime",
@@ -396,13 +397,21 @@ class Pipeline:
         return len(self._kept)
 
     def encode_prompt(self, prompt: Prompt, special_in_content: bool = False) -> list[int]:
-        """Token ids of a text prompt (used as is, special-token strings included) or of chat
+        """Token ids of a text prompt (used as is, special-token strings included), of chat
         messages (through the chat template; their content is text, special-token strings in it
-        included, unless ``special_in_content``)."""
+        included, unless ``special_in_content``), or a prompt given as token ids (checked against
+        the vocabulary, used as they are)."""
         if isinstance(prompt, (str, bytes, bytearray)):
             if not prompt.strip():
                 raise PromptError("prompt is empty or whitespace only: give some text or chat messages")
             ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, np.ndarray) or (isinstance(prompt, Sequence) and len(prompt) > 0
+                                                and all(isinstance(t, (int, np.integer)) for t in prompt)):
+            vocab = self.manifest.model.vocab_size
+            bad = [t for t in prompt if isinstance(t, (bool, np.bool_)) or not 0 <= t < vocab]
+            ids = [int(t) for t in prompt]
+            if bad or (isinstance(prompt, np.ndarray) and prompt.dtype.kind not in "iu"):
+                raise PromptError(f"a prompt of token ids takes integers in 0..{vocab - 1}, got {bad[:5] or prompt.dtype}")
         else:
             ids = self.tokenizer.encode_chat(prompt, special_in_content=special_in_content)
         if not ids:

@@ -141,10 +141,13 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
             prompt.append({"role": m["role"], "content": m["content"]})
     else:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise BadRequest("'prompt' must be a non-empty string (one prompt per request)", "prompt")
+        token_ids = (isinstance(prompt, list) and prompt
+                     and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt))
+        if not token_ids and (not isinstance(prompt, str) or not prompt):
+            raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids (one prompt "
+                             "per request)", "prompt")
     if _number(body, "n", 1, 1, 1, integer=True) != 1:
         raise BadRequest("'n' must be 1", "n")
     for name, neutral in UNHONOURED.items():
@@ -563,7 +566,8 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
                              "max_tokens", "timeout")
         counters["requests"]("200")
         if echo:  # the prompt's tokens first, the first one unscored
-            text = prompt + text
+            shown = prompt if isinstance(prompt, str) else pipe.tokenizer.decode(prompt, skip_special_tokens=False)
+            text = shown + text
             logprobs = [SimpleNamespace(token_id=result.prompt_ids[0], logprob=None, top=None),
                         *(result.prompt_logprobs or ())[1:], *logprobs]
         body = (_logprobs_body(logprobs, chat, token_text) if gen.logprobs is not None else None)

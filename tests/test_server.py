@@ -173,9 +173,17 @@ def test_echo_scores_the_prompt(served):
     alone = ref.generate(text, max_new_tokens=5, ignore_eos=True)
     assert answered.choices[0].text == text + alone.text
     assert len(answered.choices[0].logprobs.tokens) == len(want.prompt_ids) + 5
+    ids = list(want.prompt_ids)  # the prompt as token ids, as evaluation harnesses send it
+    by_ids = c.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    assert by_ids.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert by_ids.choices[0].text == ref.tokenizer.decode(ids, skip_special_tokens=False)
+    answer = c.completions.create(model="tiny", prompt=[ids], max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert answer.choices[0].text == alone.text
     for body, fragment in [({"echo": True, "stream": True}, "without streaming"), ({"echo": "yes"}, "'echo' must be"),
+                           ({"prompt": [1, True]}, "'prompt' must be"), ({"prompt": [10 ** 8]}, "token ids take"),
                            ({"max_tokens": 0}, "'max_tokens' must be")]:
-        bad = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": text, **body}, timeout=60)
+        bad = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": text} | body, timeout=60)
         assert bad.status_code == 400 and fragment in bad.json()["error"]["message"]
 
 
