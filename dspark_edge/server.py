@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server over one pipeline (``python -m dspark_edge serve``).
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as server-sent
-events with ``"stream": true``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (the
+events with ``"stream": true``), ``GET /v1/models``, ``POST /tokenize`` and ``POST /detokenize``,
+``GET /health`` and ``GET /metrics`` (the
 pipeline's Prometheus counters and the server's own). Built on Starlette; ``serve`` runs it
 with uvicorn.
 
@@ -585,6 +586,46 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
         return JSONResponse({"object": "list", "data": [{"id": cfg.model, "object": "model", "created": 0,
                                                          "owned_by": "dspark_edge"}]})
 
+    async def tokenize(request: Request):
+        """vLLM's and llama-server's ``/tokenize``: the token ids of a text (``prompt``, or
+        ``content`` as llama-server names it) or of chat messages through the template."""
+        if not authorised(request):
+            return fail(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+        try:
+            body = await read_json(request)
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            text = body.get("prompt", body.get("content"))
+            if "messages" in body:
+                prompt, *_ = parse_request({"messages": body["messages"]}, True, cfg)
+            elif isinstance(text, str) and text:
+                prompt = text
+            else:
+                raise BadRequest("give 'prompt' (or 'content'), a non-empty string, or 'messages'", "prompt")
+            ids = await asyncio.to_thread(pipe.encode_prompt, prompt)
+        except BadRequest as exc:
+            return fail(exc.status, str(exc), exc.kind, exc.param)
+        except DSparkError as exc:
+            return fail(400, str(exc))
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": pipe.target.capacity})
+
+    async def detokenize(request: Request):
+        """``/detokenize``: the text of token ids (``prompt`` as vLLM names it, ``content`` as
+        llama-server does), special tokens included."""
+        if not authorised(request):
+            return fail(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+        try:
+            body = await read_json(request)
+            tokens = body.get("tokens") if isinstance(body, dict) else None
+            vocab = pipe.manifest.model.vocab_size
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                       and 0 <= t < vocab for t in tokens):
+                raise BadRequest(f"'tokens' must be a list of token ids in 0..{vocab - 1}", "tokens")
+        except BadRequest as exc:
+            return fail(exc.status, str(exc), exc.kind, exc.param)
+        text = pipe.tokenizer.decode(tokens, skip_special_tokens=False)
+        return JSONResponse({"prompt": text, "content": text})
+
     async def health(request: Request):
         return JSONResponse({"status": "ok", "busy": worker.busy, "running": worker.running,
                              "queued": worker.jobs.qsize()})
@@ -599,6 +640,7 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
               Route("/metrics", prometheus, methods=["GET"])]
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -187,6 +187,24 @@ def test_echo_scores_the_prompt(served):
         assert bad.status_code == 400 and fragment in bad.json()["error"]["message"]
 
 
+def test_tokenize_and_detokenize(served):
+    url, ref = served
+    text = "The quick brown fox"
+    r = httpx.post(url + "/tokenize", json={"prompt": text}, timeout=30).json()
+    assert r["tokens"] == ref.encode_prompt(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] > 0
+    assert httpx.post(url + "/tokenize", json={"content": text}, timeout=30).json()["tokens"] == r["tokens"]
+    chat = httpx.post(url + "/tokenize", json={"messages": MESSAGES}, timeout=30).json()
+    assert chat["tokens"] == ref.encode_prompt(MESSAGES)
+    back = httpx.post(url + "/detokenize", json={"tokens": r["tokens"]}, timeout=30).json()
+    assert back["prompt"] == back["content"] == ref.tokenizer.decode(r["tokens"], skip_special_tokens=False)
+    for path, body, fragment in [("/tokenize", {"prompt": ""}, "give 'prompt'"),
+                                 ("/tokenize", {"messages": [{"role": "x", "content": "y"}]}, "messages[0]"),
+                                 ("/detokenize", {"tokens": [1, -2]}, "'tokens' must be"),
+                                 ("/detokenize", {"tokens": "1 2"}, "'tokens' must be")]:
+        bad = httpx.post(url + path, json=body, timeout=30)
+        assert bad.status_code == 400 and fragment in bad.json()["error"]["message"]
+
+
 def test_penalties_and_logit_bias_give_the_pipelines_answer(served):
     url, ref = served
     c = client(url)
@@ -406,6 +424,8 @@ def test_an_api_key_is_required_when_set():
             == "ab"
         assert httpx.get(url + "/health", timeout=10).status_code == 200  # no key needed
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+        for path in ("/tokenize", "/detokenize"):
+            assert httpx.post(url + path, json={"prompt": "x", "tokens": [1]}, timeout=10).status_code == 401
 
 
 @pytest.mark.parametrize("extra", [["--drafter", "none"], ["--drafter", "auto", "--parallel", "2"],
