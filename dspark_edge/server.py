@@ -486,10 +486,11 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
         counters["requests"](str(status))
         return JSONResponse(error_body(message, kind, param), status_code=status)
 
-    def authorised(request: Request) -> bool:
-        if cfg.api_key is None:
-            return True
-        return request.headers.get("authorization", "") == f"Bearer {cfg.api_key}"
+    def key_refused(request: Request):
+        """The 401 answer when an API key is set and the request does not carry it, else None."""
+        if cfg.api_key is None or request.headers.get("authorization", "") == f"Bearer {cfg.api_key}":
+            return None
+        return fail(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
 
     async def read_json(request: Request):
         size = int(request.headers.get("content-length") or 0)
@@ -521,8 +522,8 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
                     return ("error", (504, "the request ran past --request-timeout and did not stop"))
 
     async def complete(request: Request, chat: bool):
-        if not authorised(request):
-            return fail(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+        if (refused := key_refused(request)) is not None:
+            return refused
         try:
             prompt, gen, stream, include_usage, echo = parse_request(await read_json(request), chat, cfg)
         except BadRequest as exc:
@@ -581,16 +582,16 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
         return await complete(request, False)
 
     async def models(request: Request):
-        if not authorised(request):
-            return fail(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+        if (refused := key_refused(request)) is not None:
+            return refused
         return JSONResponse({"object": "list", "data": [{"id": cfg.model, "object": "model", "created": 0,
                                                          "owned_by": "dspark_edge"}]})
 
     async def tokenize(request: Request):
         """vLLM's and llama-server's ``/tokenize``: the token ids of a text (``prompt``, or
         ``content`` as llama-server names it) or of chat messages through the template."""
-        if not authorised(request):
-            return fail(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+        if (refused := key_refused(request)) is not None:
+            return refused
         try:
             body = await read_json(request)
             if not isinstance(body, dict):
@@ -612,8 +613,8 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
     async def detokenize(request: Request):
         """``/detokenize``: the text of token ids (``prompt`` as vLLM names it, ``content`` as
         llama-server does), special tokens included."""
-        if not authorised(request):
-            return fail(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+        if (refused := key_refused(request)) is not None:
+            return refused
         try:
             body = await read_json(request)
             tokens = body.get("tokens") if isinstance(body, dict) else None
@@ -631,8 +632,8 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
                              "queued": worker.jobs.qsize()})
 
     async def prometheus(request: Request):
-        if not authorised(request):
-            return fail(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+        if (refused := key_refused(request)) is not None:
+            return refused
         if metrics is None:
             return fail(404, "metrics need the prometheus-client package: pip install prometheus-client")
         return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
