@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .config import TokenLogprob
+
 
 def probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """The sampling distribution for ``logits`` ([V]) as float64 summing to 1.
@@ -160,8 +162,6 @@ def token_logprobs(logits: np.ndarray, tokens, top: int) -> list:
     distribution token i was chosen from): the log-softmax of the raw logits (float64, before
     temperature and filters), and the ``top`` likeliest tokens of the row, most likely first
     (ties by lower id)."""
-    from .config import TokenLogprob
-
     out = []
     for row, tok in zip(logits, tokens):
         z = row.astype(np.float64)
@@ -184,12 +184,8 @@ def reshaped_logits(logits: np.ndarray, answer, drafts, presence: float, frequen
     answer's tokens so far) followed by ``drafts[:i]``, so its penalties count those drafts too
     (row 0 counts the answer alone). What plain decoding computes at each of those positions."""
     rows = np.array(logits, dtype=np.float32)
-    if bias:
+    if bias:  # ids inside the vocabulary: Pipeline.stream checks them before a generation starts
         ids = np.fromiter((t for t, _ in bias), dtype=np.int64, count=len(bias))
-        if ids.max() >= rows.shape[1]:
-            from .errors import ConfigError
-
-            raise ConfigError(f"logit_bias names token {int(ids.max())}; the vocabulary has {rows.shape[1]} tokens")
         rows[:, ids] += np.fromiter((b for _, b in bias), dtype=np.float32, count=len(bias))
     if presence or frequency:
         counts: dict[int, int] = {}
