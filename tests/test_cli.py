@@ -37,6 +37,8 @@ def test_generate_json_with_logprobs(tiny_engine):
     assert p.returncode == 2 and "--logprobs needs --json" in p.stderr and "[load]" not in p.stderr
     p = run("generate", "--engine", str(tiny_engine), "hi", "--logit-bias", "abc")
     assert p.returncode == 2 and "expected ID=BIAS" in p.stderr
+    p = run("generate", "--engine", str(tiny_engine), "hi", "--logit-bias", "5=1", "--logit-bias", "5=2")
+    assert p.returncode == 2 and "names token 5 twice" in p.stderr
     p = run("generate", "--engine", str(tiny_engine), "--raw", "The quick", "--max-new-tokens", "6", "--json",
             "--frequency-penalty", "1.5", "--logit-bias", "7=3", "--drafter", "none")
     assert p.returncode == 0, p.stderr

@@ -164,9 +164,12 @@ def generation_config(args) -> GenerationConfig:
         try:
             if not sep:
                 raise ValueError
-            bias[int(key)] = float(value)
+            token, amount = int(key), float(value)
         except ValueError:
             raise ConfigError(f"--logit-bias {item!r}: expected ID=BIAS, e.g. --logit-bias 2=-100") from None
+        if token in bias:
+            raise ConfigError(f"--logit-bias names token {token} twice")
+        bias[token] = amount
     return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), draft_tokens=args.draft_tokens,
                             context_policy=args.context_policy, sampling=args.sampling, logprobs=args.logprobs,
