@@ -13,6 +13,7 @@ from .config import GenerationConfig, GenerationResult, GenerationStats, TokenLo
 from .drafters import Draft, Drafter, DraftRequest, DrafterSpec, parse_spec
 from .errors import (BackendError, ConfigError, DSparkError, EngineError, ExportError, GenerationError,
                      ManifestError, OutputError, PromptError)
+from .grammar import Grammar
 from .manifest import Manifest, read_manifest
 from .pipeline import Pipeline, TextStream, auto_drafter, load
 from .rounds import RoundInfo
@@ -23,6 +24,6 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError", "BackendOptions", "ConfigError", "DSparkError", "Draft", "DraftRequest", "Drafter",
     "DrafterSpec", "EngineError", "ExportError", "GenerationConfig", "GenerationError", "GenerationResult",
-    "GenerationStats", "Manifest", "ManifestError", "OutputError", "Pipeline", "PromptError", "RoundInfo",
+    "GenerationStats", "Grammar", "Manifest", "ManifestError", "OutputError", "Pipeline", "PromptError", "RoundInfo",
     "SchedulerConfig", "TextStream", "TokenLogprob", "auto_drafter", "load", "parse_spec", "read_manifest", "__version__",
 ]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .errors import ConfigError
+from .grammar import Grammar
 
 
 def check_field_types(obj, error: type[Exception] = ConfigError) -> None:
@@ -120,6 +121,14 @@ class GenerationConfig:
     verification applies them as plain decoding does, to every position of a pass with the drafts
     before it counted: greedy output stays plain greedy output under them, and sampling follows
     the changed distribution.
+
+    ``grammar`` (``dspark_edge.Grammar``: a JSON schema, regex, Lark or GBNF grammar) constrains
+    the answer: at every position the tokens it does not allow are masked out of the target's
+    distribution (after penalties and bias), drafts included, so the answer follows the grammar
+    and is the one plain decoding gives under it. The grammar ends the answer with the model's
+    end-of-turn token once it is complete (also with ``ignore_eos``); ``stop`` strings still
+    apply; a ``max_new_tokens`` reached first leaves it incomplete (stop reason
+    "max_new_tokens"). Needs llguidance (``pip install 'dspark-edge[structured]'``).
     """
 
     max_new_tokens: int = 256
@@ -142,6 +151,7 @@ class GenerationConfig:
     presence_penalty: float = 0.0  # subtracted from the logit of every token the answer holds already
     frequency_penalty: float = 0.0  # subtracted once per time the answer holds the token already
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is taken too
+    grammar: Grammar | None = None  # the answer must follow it (structured output)
 
     def __post_init__(self) -> None:
         import numpy as np
@@ -195,6 +205,9 @@ class GenerationConfig:
             raise ConfigError("logit_bias names a token id twice")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ConfigError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ConfigError(f"grammar must be a dspark_edge.Grammar (Grammar.json(schema), Grammar.regex(...), "
+                              f"...) or None, got {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:

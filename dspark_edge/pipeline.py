@@ -35,7 +35,8 @@ from .decoder import DecoderModel
 from .drafters import create as create_drafter
 from .drafters.base import contract
 from .drafters.spec import own_model
-from .sampling import choose, coupled_choice, reshaped_logits, token_logprobs
+from .grammar import Constraint
+from .sampling import choose, coupled_choice, token_logprobs
 from .scheduler import CostModel, Scheduler, SchedulerConfig
 from .telemetry import Reader, Sampler, Snapshot
 from .tokenizer import IncrementalDecoder, Tokenizer
@@ -528,6 +529,8 @@ class TextStream:
         if coupled and seed is None:
             seed = int(np.random.SeedSequence().entropy % 2**63)
         eos = frozenset() if cfg.ignore_eos else p.eos_ids | set(cfg.stop_token_ids)
+        if cfg.grammar is not None:  # a complete grammar allows only the end-of-turn token: the answer ends
+            eos |= p.eos_ids
         spec = self._speculator(p, rng, seed if coupled else None)
         st = spec.stats
         detok = IncrementalDecoder(p.tokenizer)
@@ -564,16 +567,13 @@ class TextStream:
                 committed = list(self._prompt_ids)
                 out = p.target.prefill(cache, np.asarray(committed[reuse:], dtype=np.int64),
                                        hidden_sink=spec.hidden_rows, logits_sink=sink)
-                first = out.logits[-1]
-                if cfg.reshapes_logits:  # the answer is empty: the logit bias alone applies
-                    first = reshaped_logits(out.logits[-1:], (), (), cfg.presence_penalty, cfg.frequency_penalty,
-                                            cfg.logit_bias)[0]
+                first = spec.first_logits(out.logits[-1])
                 new = [coupled_choice(first, cfg.temperature, cfg.top_k, cfg.top_p, seed, 0) if coupled
                        else choose(first, cfg.temperature, cfg.top_k, cfg.top_p, rng)]
                 new_logprobs = (token_logprobs(out.logits[-1:], new, cfg.logprobs) if cfg.logprobs is not None
                                 else None)
                 prefill_s = time.perf_counter() - t0
-                spec.begin(committed, cache)
+                spec.begin(committed, cache, new[0])
                 while True:
                     done = False
                     for i, tok in enumerate(new):  # emit this round's tokens in order; stop mid-block if needed
@@ -669,7 +669,11 @@ class TextStream:
         target = Target(p.target, p.telemetry, p.manifest.model.vocab_size, p._release_drafter, room,
                         offer=p.target.offer if joint else None,
                         last_choice=p.target.last_choice if joint else (lambda: None))
-        return Speculator(target, cfg, drafter, policy, max_drafts, rng, coupled_seed)
+        constraint = None
+        if cfg.grammar is not None:
+            vocab = p.manifest.model.vocab_size
+            constraint = Constraint(cfg.grammar, p.tokenizer.grammar_tokens(vocab, p.eos_ids), vocab)
+        return Speculator(target, cfg, drafter, policy, max_drafts, rng, coupled_seed, constraint)
 
     def _record(self, info: RoundInfo) -> None:
         self.last_round = info

@@ -2,7 +2,7 @@
 
 ``Speculator.round`` is the whole round, in the papers' order; ``Speculator`` holds what one
 generation's rounds share (the drafter and its failure budget, the width policy, the random
-generator, the counts). Without a drafter a round is a plain width-1 step. It knows nothing of
+generator, the counts, the grammar's walk). Without a drafter a round is a plain width-1 step. It knows nothing of
 text, stop strings or streaming (``pipeline.TextStream`` does), and it never commits more than
 the target verified: the KV cache after a round holds the anchor and the accepted drafts.
 
@@ -26,6 +26,7 @@ import numpy as np
 from .config import GenerationConfig, GenerationStats
 from .drafters import Draft, DraftRequest
 from .drafters.base import contract
+from .grammar import Constraint
 from .sampling import reshaped_logits, token_logprobs
 from .scheduler import Decision
 from .telemetry import Snapshot
@@ -130,11 +131,15 @@ class Target:
 class Speculator:
     """The rounds of one generation. ``drafter`` None decodes plainly; ``policy`` chooses how
     many drafts each round verifies (``widths``); ``max_drafts`` caps a round's drafts;
-    ``seed`` is coupled sampling's, None otherwise."""
+    ``seed`` is coupled sampling's, None otherwise; ``constraint`` walks ``cfg.grammar``
+    (``grammar.Constraint``): drafts the grammar refuses are cut before the pass, and every row
+    of the pass is masked with the grammar's state after the drafts before it."""
 
     def __init__(self, target: Target, cfg: GenerationConfig, drafter, policy: WidthPolicy, max_drafts: int,
-                 rng: np.random.Generator, seed: int | None) -> None:
+                 rng: np.random.Generator, seed: int | None, constraint: Constraint | None = None) -> None:
         self.target, self.cfg = target, cfg
+        self.constraint = constraint
+        self._masks: np.ndarray | None = None  # this round's allowed tokens per pass row (with a grammar)
         self.drafter, self.policy = drafter, policy
         self.max_drafts = max_drafts
         self.rng, self.seed = rng, seed
@@ -152,10 +157,26 @@ class Speculator:
         self.answer_start = 0
         self._answer: list[int] = []
 
-    def begin(self, committed: list[int], cache) -> None:
+    def first_logits(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution the answer's first token is drawn from, from the prefill's last
+        row of logits ([V]): the logit bias (the answer is empty: no penalty yet) and the grammar's
+        first mask applied, as every later position gets them."""
+        cfg = self.cfg
+        if cfg.reshapes_logits:
+            logits = reshaped_logits(logits[None], (), (), cfg.presence_penalty, cfg.frequency_penalty,
+                                     cfg.logit_bias)[0]
+        if self.constraint is not None:
+            _, masks = self.constraint.masks(())
+            logits = Constraint.apply(logits[None], masks)[0]
+        return logits
+
+    def begin(self, committed: list[int], cache, first: int | None = None) -> None:
         """After the prefill: bind a drafter that drafts over the target's KV cache, then start it.
-        ``committed`` is the prompt: what follows it is the answer (penalties count its tokens)."""
+        ``committed`` is the prompt: what follows it is the answer (penalties count its tokens);
+        ``first`` the answer's first token, chosen from the prefill (the grammar takes it)."""
         self.answer_start = len(committed)
+        if self.constraint is not None and first is not None:
+            self.constraint.take([first])
         if self.drafter is None:
             return
         try:
@@ -188,6 +209,16 @@ class Speculator:
             draft = self._propose(committed + [pending], k_max, position)
             draft_ms = (time.perf_counter() - t_d) * 1e3
             st.draft_s += draft_ms / 1e3
+        if self.constraint is not None:  # drafts past the first the grammar refuses could never be accepted
+            allowed, self._masks = self.constraint.masks(draft.tokens)
+            if allowed < len(draft) and draft.q is not None and self.cfg.temperature > 0 and self.seed is None:
+                # Rejection sampling with the drafter's q: the refused draft stays, to be rejected
+                # there and the token drawn from max(p - q, 0); drawing it from p instead (as a
+                # cut would) biases the answer wherever q gave refused tokens mass.
+                draft = draft.trimmed(allowed + 1)
+                self._masks = np.concatenate([self._masks, self._masks[-1:]])  # (never read)
+            elif allowed < len(draft):  # greedy, coupled or one-hot drafts: a cut is the same verdict
+                draft = draft.trimmed(allowed)
         # Confidences that are already this generation's observed rates get no online offset.
         shift = self.contract is not None and not (self.contract.observed_confidence if draft.observed is None
                                                    else draft.observed)
@@ -295,6 +326,8 @@ class Speculator:
         if cfg.reshapes_logits:  # the distribution plain decoding would have at each position
             logits = reshaped_logits(out.logits[:len(draft) + 1], self._answer, draft.tokens,
                                      cfg.presence_penalty, cfg.frequency_penalty, cfg.logit_bias)
+        if self.constraint is not None:  # row i: the grammar's state after drafts[:i] (``round``)
+            logits = Constraint.apply(logits[:len(draft) + 1], self._masks)
         if cfg.temperature == 0.0:
             outcome = verify_greedy(draft.tokens, logits)
         elif self.seed is not None:
@@ -303,6 +336,8 @@ class Speculator:
         else:
             outcome = verify_sampling(draft.tokens, draft.q, logits, cfg.temperature,
                                       cfg.top_k, cfg.top_p, self.rng)
+        if self.constraint is not None:
+            self.constraint.take(outcome.tokens)
         if self.hidden_rows is not None and out.hidden is not None:
             self.hidden_rows.append(out.hidden[:1 + outcome.accepted].copy())
         if cfg.logprobs is not None:

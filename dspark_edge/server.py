@@ -26,6 +26,8 @@ token's log-probability under the target's distribution and the likeliest tokens
 with the answer or with the chunk that streams it (``GenerationConfig.logprobs``); the
 completions API's ``echo`` adds the prompt and its tokens' (not streamed). Presence and
 frequency penalties and a logit bias reshape the target's distribution (``GenerationConfig``).
+Structured output: ``response_format`` (``json_object``, ``json_schema``), or llama-server's
+``json_schema`` and ``grammar`` (GBNF) fields, constrain the answer (``GenerationConfig.grammar``).
 
 What this module does not know: how the pipeline decodes (it only calls ``stream``), and how
 it is run (``cli/serve.py`` binds it to a host and port).
@@ -48,6 +50,7 @@ from typing import Any
 
 from .config import MAX_TOP_LOGPROBS, GenerationConfig
 from .errors import ConfigError, DSparkError
+from .grammar import Grammar
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +98,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 UNHONOURED = {
     "suffix": (None, ""),
     "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "function_call": (None, "none"),
 }
 
 
@@ -181,6 +184,7 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
     options = body.get("stream_options")
     logprobs = _logprobs_wanted(body, chat)
     bias = _logit_bias(body)
+    grammar = _grammar(body)
     include_usage = False
     if options is not None:
         if not stream:
@@ -195,7 +199,7 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
                            prompt_logprobs=logprobs if echo else None,
                            presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
                            frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
-                           logit_bias=bias,
+                           logit_bias=bias, grammar=grammar,
                            # a seed makes the answer a function of the seed alone, whatever the
                            # scheduler chose under the server's load at the time
                            sampling="rejection" if seed is None else "coupled")
@@ -216,6 +220,46 @@ def _echo(body: dict, chat: bool) -> bool:
     if body.get("stream", False) is True:
         raise BadRequest("'echo' is served without streaming: leave out \"stream\" or \"echo\"", "echo")
     return True
+
+
+def _grammar(body: dict) -> Grammar | None:
+    """Structured output: OpenAI's ``response_format`` (``{"type": "text"}``, ``{"type":
+    "json_object"}`` for any JSON object, ``{"type": "json_schema", "json_schema": {"name": …,
+    "schema": {…}}}``), or llama-server's ``json_schema`` (a schema) or ``grammar`` (GBNF); one
+    of them per request. A schema or grammar that does not compile is a 400 naming the error."""
+    given = [k for k in ("response_format", "json_schema", "grammar") if body.get(k) is not None]
+    if len(given) > 1:
+        raise BadRequest(f"send one of {', '.join(repr(k) for k in given)}, not several", given[1])
+    if not given:
+        return None
+    name = given[0]
+    value = body[name]
+    try:
+        if name == "grammar":
+            if not isinstance(value, str):
+                raise BadRequest("'grammar' must be a GBNF grammar (a string such as 'root ::= \"yes\" | \"no\"')",
+                                 name)
+            return Grammar.gbnf(value)
+        if name == "json_schema":
+            if not isinstance(value, dict):
+                raise BadRequest("'json_schema' must be a JSON schema (an object)", name)
+            return Grammar.json(value)
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return Grammar.json()
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise BadRequest("'response_format' json_schema needs {\"json_schema\": {\"name\": ..., "
+                                 "\"schema\": {...}}}", name)
+            return Grammar.json(schema)
+        raise BadRequest("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                         f"{{\"type\": \"json_schema\", \"json_schema\": {{...}}}}, got {json.dumps(value)[:120]}", name)
+    except ConfigError as exc:
+        raise BadRequest(str(exc), name) from None
 
 
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' "logprobs" bound (OpenAI's legacy API)

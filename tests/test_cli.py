@@ -48,6 +48,28 @@ def test_generate_json_with_logprobs(tiny_engine):
     assert json.loads(p.stdout)["token_ids"] == list(want.token_ids)
 
 
+def test_generate_with_structured_output(tiny_engine, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    p = run("generate", "--engine", str(tiny_engine), "The quick", "--json-schema", str(schema), "--json",
+            "--max-new-tokens", "200")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert isinstance(json.loads(out["text"])["ok"], bool) and out["stop_reason"] == "eos"
+    gbnf = tmp_path / "answer.gbnf"
+    gbnf.write_text('root ::= "on" | "off"\n')
+    for flags in (["--regex", "(on|off)"], ["--grammar", str(gbnf)]):
+        p = run("generate", "--engine", str(tiny_engine), "The quick", "--json", *flags)
+        assert p.returncode == 0 and json.loads(p.stdout)["text"] in ("on", "off"), p.stderr
+    p = run("generate", "--engine", str(tiny_engine), "hi", "--regex", "(on")
+    assert p.returncode == 2 and "invalid regex grammar" in p.stderr and "Traceback" not in p.stderr
+    p = run("generate", "--engine", str(tiny_engine), "hi", "--json-schema", str(tmp_path / "missing.json"))
+    assert p.returncode == 2 and "--json-schema" in p.stderr and "cannot read" in p.stderr
+    p = run("generate", "--engine", str(tiny_engine), "hi", "--json-object", "--regex", "a")
+    assert p.returncode == 2 and "not allowed with" in p.stderr
+
+
 def test_generate_streams_text_and_reports(tiny_engine):
     p = run("generate", "--engine", str(tiny_engine), "hello", "--max-new-tokens", "5")
     assert p.returncode == 0 and "tok/s" in p.stderr

@@ -217,6 +217,52 @@ def test_penalties_and_logit_bias_give_the_pipelines_answer(served):
     assert want.token_ids == (5,) * 6 and forced.choices[0].message.content == want.text
 
 
+SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}, "n": {"type": "integer",
+          "minimum": 0, "maximum": 9}}, "required": ["colour", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_structured_output_follows_the_schema_and_is_the_pipelines_answer(tiny_engine, parallel):
+    import dspark_edge
+    from dspark_edge import Grammar
+    from dspark_edge.server import ServeConfig, build_app
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    asks = [("The quick brown fox", {"response_format": fmt}), ("def add(a, b):", {"response_format": fmt}),
+            ("one two three", {"grammar": 'root ::= "yes" | "no"'}), ("hello", {})]
+    with dspark_edge.load(tiny_engine, "fp32", drafter="ngram") as pipe:
+        grammars = [Grammar.json(SCHEMA), Grammar.json(SCHEMA), Grammar.gbnf('root ::= "yes" | "no"'), None]
+        # (the random tiny model pads JSON with all the whitespace the grammar allows: room for it)
+        want = [pipe.generate([{"role": "user", "content": p}], max_new_tokens=256, grammar=g).text
+                for (p, _), g in zip(asks, grammars)]
+        app = build_app(pipe, ServeConfig(model="tiny", parallel=parallel))
+        with running(app) as url:
+            c, got = client(url), {}
+
+            def ask(i):
+                prompt, extra = asks[i]
+                fmt = extra.get("response_format")
+                rest = {k: v for k, v in extra.items() if k != "response_format"}
+                r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=256, temperature=0, extra_body=rest,
+                                              **({"response_format": fmt} if fmt else {}))
+                got[i] = (r.choices[0].message.content, r.choices[0].finish_reason)
+
+            threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(len(asks))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            assert [got[i][0] for i in range(len(asks))] == want
+            for i in (0, 1):
+                value = json.loads(got[i][0])
+                assert value["colour"] in ("red", "green") and 0 <= value["n"] <= 9 and got[i][1] == "stop"
+            assert got[2][0] in ("yes", "no")
+            anything = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=80, temperature=0,
+                                                 response_format={"type": "json_object"})
+            assert anything.choices[0].message.content.lstrip().startswith("{")
+
+
 def test_a_conversations_next_turn_reuses_the_kv_of_the_last_and_answers_as_from_scratch(served):
     url, ref = served
     c = client(url)
@@ -287,7 +333,13 @@ def test_a_client_leaving_mid_stream_cancels_its_request(served):
     ({"messages": MESSAGES, "logit_bias": {"7": 1, "07": 2}}, 400, "names a token id twice"),
     ({"messages": MESSAGES, "logit_bias": {"99999999": 1}}, 400, "outside the vocabulary"),
     ({"messages": MESSAGES, "best_of": 3}, 400, "'best_of' is not supported"),
-    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "'response_format' is not supported"),
+    ({"messages": MESSAGES, "suffix": "x"}, 400, "'suffix' is not supported"),
+    ({"messages": MESSAGES, "response_format": {"type": "yaml"}}, 400, "'response_format' must be"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, 400, "needs {\"json_schema\""),
+    ({"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "no-such-type"}}}}, 400, "invalid json grammar"),
+    ({"messages": MESSAGES, "grammar": "root ::= missing"}, 400, "invalid gbnf grammar"),
+    ({"messages": MESSAGES, "grammar": 'root ::= "a"', "json_schema": {}}, 400, "send one of"),
     ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not"),
     ({"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "'stream_options' must"),
     ({"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "context"),

@@ -4,12 +4,14 @@ with them, and progress on stderr."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import replace
 
 from ..backends import BackendOptions
 from ..config import GenerationConfig
 from ..errors import ConfigError
+from ..grammar import MAX_GRAMMAR_CHARS, Grammar
 from ..drafters import spec as drafter_spec
 
 
@@ -140,6 +142,17 @@ def generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                    help="lower a token's logit by this once per time the answer holds it (-2 to 2; 0 = off)")
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS (-100 to 100) to token ID's logit (repeatable)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-object", action="store_true",
+                       help="structured output: the answer is a JSON object (needs llguidance: "
+                            "pip install 'dspark-edge[structured]')")
+    shape.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="structured output: the answer is JSON that the schema in FILE accepts")
+    shape.add_argument("--regex", default=None, metavar="PATTERN",
+                       help="structured output: the answer matches PATTERN whole")
+    shape.add_argument("--grammar", default=None, metavar="FILE",
+                       help="structured output: the answer follows the grammar in FILE, llama.cpp's GBNF "
+                            "(root ::= ...) or llguidance's Lark (start: ...)")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="with --json: each new token's log-probability under the model and the K likeliest "
                         "tokens there (0-20)")
@@ -153,6 +166,32 @@ def generation_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                         "per-position acceptance, …) to FILE after each answer")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="write a timeline of width, acceptance, tok/s and telemetry over the rounds (matplotlib)")
+
+
+def grammar_of(args) -> Grammar | None:
+    """The structured-output option given, as a ``Grammar`` (its file read, size-bounded)."""
+    if getattr(args, "json_object", False):
+        return Grammar.json()
+    if getattr(args, "regex", None) is not None:
+        return Grammar.regex(args.regex)
+    for name in ("json_schema", "grammar"):
+        path = getattr(args, name, None)
+        if path is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_GRAMMAR_CHARS + 1)
+            text = data.decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{flag} {path}: cannot read it as UTF-8 text ({exc})") from None
+        if len(data) > MAX_GRAMMAR_CHARS:
+            raise ConfigError(f"{flag} {path}: larger than {MAX_GRAMMAR_CHARS} bytes")
+        if name == "json_schema":
+            return Grammar.json(text)
+        # GBNF names its start rule root ::=; Lark (llguidance's dialect) start:
+        return Grammar.gbnf(text) if re.search(r"^\s*root\s*::=", text, re.M) else Grammar.lark(text)
+    return None
 
 
 def generation_config(args) -> GenerationConfig:
@@ -174,7 +213,7 @@ def generation_config(args) -> GenerationConfig:
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), draft_tokens=args.draft_tokens,
                             context_policy=args.context_policy, sampling=args.sampling, logprobs=args.logprobs,
                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                            logit_bias=bias)
+                            logit_bias=bias, grammar=grammar_of(args))
 
 
 def check_outputs(args) -> None:

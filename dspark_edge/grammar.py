@@ -1,0 +1,212 @@
+"""Structured output: a grammar that every answer token must follow (JSON schema, regex, Lark, GBNF).
+
+``Grammar`` says what the answer must be; ``GenerationConfig.grammar`` asks for it. Each
+generation walks the grammar with llguidance's matcher (``Constraint``): at every position
+the target's logits of the tokens the grammar does not allow there become -inf, before
+greedy choice, sampling or verification. A round's drafts are walked through the grammar
+first: the drafts up to the first one it refuses are kept (a refused draft could never be
+accepted: its masked probability is 0), and each row of the target pass is masked with the
+grammar's state after the drafts before it. So a speculative answer is the answer plain
+decoding gives under the same grammar: greedy output equal, sampling from the same masked
+distribution. The grammar's end is the model's end-of-turn token: when the grammar is
+complete, it is the only token allowed.
+
+llguidance (the library onnxruntime-genai and vLLM use for this) is imported only when a
+grammar is used: ``pip install 'dspark-edge[structured]'``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from .errors import ConfigError, DSparkError
+
+INSTALL = "pip install 'dspark-edge[structured]' (llguidance)"
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema or grammar text longer than this is refused
+JSON_WHITESPACE = r"[ \t]?(\n[ \t]{0,20})?"  # between JSON tokens, with Grammar.whitespace (as llama.cpp bounds it)
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise ConfigError(f"structured output needs llguidance, which is not installed: {INSTALL}") from None
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What an answer must match. Build it with ``Grammar.json``, ``Grammar.regex``,
+    ``Grammar.lark`` or ``Grammar.gbnf``; each checks its text at once (a ``ConfigError``
+    names the problem).
+
+    ``kind`` "json": ``text`` is a JSON schema (``{"type": "object"}`` for any JSON object);
+    "regex": a regular expression the whole answer matches; "lark": a grammar in llguidance's
+    Lark dialect (``start: ...``); "gbnf": a grammar in llama.cpp's GBNF (``root ::= ...``).
+    ``whitespace`` (json only): True (default) allows what pretty-printing needs between JSON
+    tokens and no more (``JSON_WHITESPACE``: a space, then at most one newline and 20 spaces or
+    tabs), so a model cannot fill the answer with blank lines until the token limit, as JSON's
+    own unbounded whitespace lets small models do; False allows none (compact JSON)."""
+
+    kind: Literal["json", "regex", "lark", "gbnf"]
+    text: str
+    whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json", "regex", "lark", "gbnf"):
+            raise ConfigError(f"grammar kind must be json, regex, lark or gbnf, got {self.kind!r}")
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise ConfigError(f"a {self.kind} grammar needs its text, got {self.text!r}")
+        if len(self.text) > MAX_GRAMMAR_CHARS:
+            raise ConfigError(f"the {self.kind} grammar is {len(self.text)} characters; at most {MAX_GRAMMAR_CHARS}")
+        if not isinstance(self.whitespace, bool):
+            raise ConfigError(f"grammar whitespace must be true or false, got {self.whitespace!r}")
+        error = _llguidance().LLMatcher.validate_grammar(self.compiled())
+        if error:
+            raise ConfigError(f"invalid {self.kind} grammar: {error.strip()[:600]}")
+
+    @classmethod
+    def json(cls, schema: dict | str | None = None, whitespace: bool = True) -> "Grammar":
+        """Any JSON object (``schema`` None), or JSON that ``schema`` (a dict or its JSON text) accepts."""
+        if schema is None:
+            schema = {"type": "object"}
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"the JSON schema is not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ConfigError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
+        return cls("json", json.dumps(schema), whitespace)  # key order kept: it is the properties' order
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Grammar":
+        """Answers that ``pattern`` matches whole."""
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, text: str) -> "Grammar":
+        """A grammar in llguidance's Lark dialect."""
+        return cls("lark", text)
+
+    @classmethod
+    def gbnf(cls, text: str) -> "Grammar":
+        """A grammar in llama.cpp's GBNF."""
+        return cls("gbnf", text)
+
+    def compiled(self) -> str:
+        """The grammar as llguidance takes it."""
+        llg = _llguidance()
+        M = llg.LLMatcher
+        try:
+            if self.kind == "json":
+                options = ({"whitespace_pattern": JSON_WHITESPACE} if self.whitespace
+                           else {"whitespace_flexible": False})
+                return M.grammar_from_json_schema(self.text, overrides=options)
+            if self.kind == "regex":
+                return M.grammar_from_regex(self.text)
+            if self.kind == "gbnf":
+                return M.grammar_from_lark(llg.gbnf_to_lark.gbnf_to_lark(self.text))
+            return M.grammar_from_lark(self.text)
+        except Exception as exc:  # llguidance raises ValueError and friends on malformed input
+            raise ConfigError(f"invalid {self.kind} grammar: {type(exc).__name__}: {str(exc)[:600]}") from None
+
+
+class GrammarTokens:
+    """The target's vocabulary as llguidance reads it, built once per pipeline on first use
+    (about half a second): its token strings, the logits' width and the end-of-turn ids, which
+    the grammar allows where it is complete."""
+
+    def __init__(self, tokenizer_json: str, vocab: int, eos_ids) -> None:
+        self._args = (tokenizer_json, vocab, sorted(int(t) for t in eos_ids))
+        self.eos = frozenset(self._args[2])
+        self._lock = threading.Lock()
+        self._tok = None
+
+    def get(self):
+        with self._lock:
+            if self._tok is None:
+                text, vocab, eos = self._args
+                if not eos:
+                    raise ConfigError("this engine names no end-of-turn token, which a grammar needs to end the answer")
+                try:
+                    self._tok = _llguidance().LLTokenizer(text, n_vocab=vocab, eos_token=eos)
+                except ConfigError:
+                    raise
+                except Exception as exc:
+                    raise ConfigError(f"llguidance cannot read this engine's tokenizer for structured output: "
+                                      f"{type(exc).__name__}: {str(exc)[:300]}") from None
+            return self._tok
+
+
+class Constraint:
+    """One generation's walk through its grammar: the tokens taken so far and the masks of
+    the positions ahead. Not thread-safe (one generation, one thread)."""
+
+    def __init__(self, grammar: Grammar, tokens: GrammarTokens, vocab: int) -> None:
+        llg = _llguidance()
+        tok = tokens.get()
+        self._matcher = llg.LLMatcher(tok, grammar.compiled(), log_level=0)
+        if self._matcher.is_error():
+            raise ConfigError(f"invalid {grammar.kind} grammar: {self._matcher.get_error()[:600]}")
+        self.vocab = vocab
+        self._eos = tokens.eos
+        self._words = (vocab + 31) // 32
+        self._bits = np.zeros((1, self._words), dtype=np.int32)
+
+    def _mask(self) -> np.ndarray:
+        """The tokens allowed at the matcher's current position, as a bool row over the vocabulary."""
+        m = self._matcher
+        bits = self._bits[0]
+        m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        if m.is_error():
+            raise DSparkError(f"structured output failed: {m.get_error()[:300]}")
+        return np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.vocab].astype(bool)
+
+    def masks(self, drafts) -> tuple[int, np.ndarray]:
+        """(n, masks): how many leading ``drafts`` the grammar allows in a row from here, and the
+        allowed tokens of pass rows 0..n ([n + 1, vocab]: row i after ``drafts[:i]``). An
+        end-of-turn draft is the last one kept (nothing after it is read: its row repeats the
+        one before). The matcher is left where it was."""
+        rows = [self._mask()]
+        taken = 0
+        for d in drafts:
+            d = int(d)
+            if not rows[-1][d]:
+                break
+            if d in self._eos:
+                rows.append(rows[-1])
+                break
+            if not self._matcher.consume_token(d):
+                raise DSparkError(f"structured output failed: {self._matcher.get_error()[:300]}")
+            taken += 1
+            rows.append(self._mask())
+        if taken and not self._matcher.rollback(taken):
+            raise DSparkError(f"structured output failed: {self._matcher.get_error()[:300]}")
+        return len(rows) - 1, np.stack(rows)
+
+    @staticmethod
+    def apply(logits: np.ndarray, masks: np.ndarray) -> np.ndarray:
+        """``logits`` rows [n, V] with every token their mask row refuses at -inf (a new array)."""
+        n = logits.shape[0]
+        return np.where(masks[:n, :logits.shape[1]], logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+    def take(self, tokens) -> None:
+        """Advance past ``tokens``, chosen under this grammar's masks (up to an end-of-turn
+        token: the answer ends there)."""
+        for t in tokens:
+            if int(t) in self._eos:
+                return
+            if not self._matcher.consume_token(int(t)):
+                raise DSparkError(f"structured output: token {int(t)} does not follow the grammar "
+                                  f"({self._matcher.get_error()[:300]})")
+
+    @property
+    def complete(self) -> bool:
+        """Whether the grammar allows the answer to end here."""
+        return self._matcher.is_accepting()
