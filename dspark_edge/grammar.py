@@ -168,27 +168,42 @@ class Constraint:
             raise DSparkError(f"structured output failed: {m.get_error()[:300]}")
         return np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.vocab].astype(bool)
 
-    def masks(self, drafts) -> tuple[int, np.ndarray]:
-        """(n, masks): how many leading ``drafts`` the grammar allows in a row from here, and the
-        allowed tokens of pass rows 0..n ([n + 1, vocab]: row i after ``drafts[:i]``). An
-        end-of-turn draft is the last one kept (nothing after it is read: its row repeats the
-        one before). The matcher is left where it was."""
+    def masks(self, drafts, forced: int = 0) -> tuple[int, list[int], np.ndarray]:
+        """(n, more, masks): how many leading ``drafts`` the grammar allows in a row from here;
+        when it allows them all, up to ``forced`` tokens the grammar forces after them (``more``:
+        llguidance's fast-forward tokens, the text that is the only way on, tokenized); and the
+        allowed tokens of pass rows 0..n + len(more) (row i after the i tokens before it). An
+        end-of-turn draft is the last one kept (nothing after it is read: its row repeats the one
+        before). The matcher is left where it was."""
         rows = [self._mask()]
-        taken = 0
+        taken, ended = 0, False
         for d in drafts:
             d = int(d)
             if not rows[-1][d]:
                 break
             if d in self._eos:
                 rows.append(rows[-1])
+                ended = True
                 break
-            if not self._matcher.consume_token(d):
-                raise DSparkError(f"structured output failed: {self._matcher.get_error()[:300]}")
+            self._consume(d)
             taken += 1
             rows.append(self._mask())
+        n, more = len(rows) - 1, []
+        if forced > 0 and n == len(drafts) and not ended:
+            for t in self._matcher.compute_ff_tokens()[:forced]:
+                if not rows[-1][t] or t in self._eos:
+                    break
+                self._consume(t)
+                taken += 1
+                more.append(int(t))
+                rows.append(self._mask())
         if taken and not self._matcher.rollback(taken):
             raise DSparkError(f"structured output failed: {self._matcher.get_error()[:300]}")
-        return len(rows) - 1, np.stack(rows)
+        return n, more, np.stack(rows)
+
+    def _consume(self, token: int) -> None:
+        if not self._matcher.consume_token(token):
+            raise DSparkError(f"structured output failed: {self._matcher.get_error()[:300]}")
 
     @staticmethod
     def apply(logits: np.ndarray, masks: np.ndarray) -> np.ndarray:

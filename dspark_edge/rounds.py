@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -166,7 +166,7 @@ class Speculator:
             logits = reshaped_logits(logits[None], (), (), cfg.presence_penalty, cfg.frequency_penalty,
                                      cfg.logit_bias)[0]
         if self.constraint is not None:
-            _, masks = self.constraint.masks(())
+            _, _, masks = self.constraint.masks(())
             logits = Constraint.apply(logits[None], masks)[0]
         return logits
 
@@ -209,9 +209,14 @@ class Speculator:
             draft = self._propose(committed + [pending], k_max, position)
             draft_ms = (time.perf_counter() - t_d) * 1e3
             st.draft_s += draft_ms / 1e3
+        forced = 0  # drafts the grammar added: the text it forces after the drafter's
         if self.constraint is not None:  # drafts past the first the grammar refuses could never be accepted
-            allowed, self._masks = self.constraint.masks(draft.tokens)
-            if allowed < len(draft) and draft.q is not None and self.cfg.temperature > 0 and self.seed is None:
+            extra = k_max - len(draft) if (self.cfg.speculative and wants) else 0
+            allowed, more, self._masks = self.constraint.masks(draft.tokens, extra)
+            if more:
+                own_drafts = len(draft)
+                draft, forced = _with_forced(draft, more, self.target.vocab_size), len(more)
+            elif allowed < len(draft) and draft.q is not None and self.cfg.temperature > 0 and self.seed is None:
                 # Rejection sampling with the drafter's q: the refused draft stays, to be rejected
                 # there and the token drawn from max(p - q, 0); drawing it from p instead (as a
                 # cut would) biases the answer wherever q gave refused tokens mass.
@@ -257,13 +262,14 @@ class Speculator:
                          st.draft_n, st.accepted, decision, index=st.rounds,
                          tokens=tuple(int(t) for t in outcome.tokens), draft_ms=draft_ms or 0.0,
                          verify_ms=verify_ms, t_s=time.perf_counter() - t0, telemetry=snap,
-                         drafting=dict(draft.record) if isinstance(draft.record, dict) else None,
+                         drafting=_drafting_record(draft.record, forced),
                          drafts=tuple(int(t) for t in draft.tokens), batch=choice)
         record(info)
-        # Feedback for the drafter's own learning.
-        if self.drafter is not None and len(draft):
+        # Feedback for the drafter's own learning: its own drafts only (the grammar's come after them).
+        own = min(len(draft), own_drafts) if forced else len(draft)
+        if self.drafter is not None and own > 0:
             try:
-                self.drafter.feedback(len(draft), outcome.accepted, committed)
+                self.drafter.feedback(own, min(outcome.accepted, own), committed)
             except Exception as exc:
                 self._failed("feedback", exc)
         if self.failures == failures:  # a round without a failure ends the run of failures
@@ -343,6 +349,28 @@ class Speculator:
         if cfg.logprobs is not None:
             self.logprobs = token_logprobs(out.logits[:len(outcome.tokens)], outcome.tokens, cfg.logprobs)
         return outcome
+
+
+def _with_forced(draft: Draft, more: list[int], vocab: int) -> Draft:
+    """``draft`` followed by the tokens a grammar forces after it, drafted with confidence 1
+    (deterministic drafts: one-hot rows where the drafter gave distributions)."""
+    n = len(more)
+    q = draft.q
+    if q is not None:
+        extra = np.zeros((n, vocab), dtype=q.dtype)
+        extra[np.arange(n), more] = 1.0
+        q = np.concatenate([q, extra])
+    return replace(draft, tokens=np.concatenate([draft.tokens, np.asarray(more, dtype=np.int64)]), q=q,
+                   confidence=np.concatenate([draft.confidence, np.ones(n)]))
+
+
+def _drafting_record(record, forced: int) -> dict | None:
+    """The round trace's account of the drafting: the drafter's own, and how many drafts the
+    grammar forced after its drafts, when it did."""
+    out = dict(record) if isinstance(record, dict) else None
+    if forced:
+        out = {**(out or {}), "grammar_forced": forced}
+    return out
 
 
 def check_draft(draft: Draft, k_max: int, vocab: int) -> None:

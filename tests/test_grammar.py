@@ -88,6 +88,36 @@ def test_drafts_the_grammar_allows_are_judged_by_the_masked_target(plain, tiny_e
     assert accepted > 0 and rejected > 0  # "z" is in the grammar and rarely the target's letter
 
 
+def test_the_text_a_grammar_forces_is_drafted_and_verified(plain, tiny_engine):
+    """With no drafter, the tokens a grammar forces (a schema's keys, its punctuation) are drafted
+    and verified in one pass: fewer passes, the same answer as decoding them one at a time."""
+    schema = {"type": "object", "properties": {"temperature_celsius": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "description_of_the_weather": {"enum": ["sunny", "rainy"]}},
+              "required": ["temperature_celsius", "description_of_the_weather"], "additionalProperties": False}
+    grammar = Grammar.json(schema, whitespace=False)
+    traced = []
+
+    class Rounds:
+        def on_round(self, info):
+            traced.append(info)
+
+    observer = Rounds()
+    plain.add_observer(observer)
+    try:
+        for prompt in PROMPTS:
+            traced.clear()
+            one_by_one = plain.generate(prompt, max_new_tokens=60, grammar=grammar, speculative=False)
+            assert all(r.drafted == 0 for r in traced)
+            traced.clear()
+            forced = plain.generate(prompt, max_new_tokens=60, grammar=grammar)
+            assert forced.token_ids == one_by_one.token_ids and json.loads(forced.text)
+            assert forced.stats.rounds < one_by_one.stats.rounds, prompt
+            assert forced.stats.draft_n_accepted > 0
+            assert sum((r.drafting or {}).get("grammar_forced", 0) for r in traced) == forced.stats.draft_n
+    finally:
+        plain.remove_observer(observer)
+
+
 def test_a_regex_binds_every_token_and_ignore_eos_still_ends_a_complete_answer(plain, spec):
     grammar = Grammar.regex(r"(yes|no|maybe)\.")
     for prompt in PROMPTS:
@@ -169,7 +199,7 @@ def _masked_joint(pipe, prompt_ids, grammar, depth, top_k):
             return
         c = Constraint(grammar, tokens, vocab)
         c.take(prefix)
-        _, masks = c.masks(())
+        _, _, masks = c.masks(())
         logits = t.prefill(t.new_cache(), np.asarray(prompt_ids + prefix, dtype=np.int64)).logits[-1:]
         p = probs(Constraint.apply(logits, masks)[0], 1.0, top_k, 1.0)
         for x in np.flatnonzero(p):
