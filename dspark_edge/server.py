@@ -27,7 +27,8 @@ with the answer or with the chunk that streams it (``GenerationConfig.logprobs``
 completions API's ``echo`` adds the prompt and its tokens' (not streamed). Presence and
 frequency penalties and a logit bias reshape the target's distribution (``GenerationConfig``).
 Structured output: ``response_format`` (``json_object``, ``json_schema``), or llama-server's
-``json_schema`` and ``grammar`` (GBNF) fields, constrain the answer (``GenerationConfig.grammar``).
+``json_schema`` and ``grammar`` (GBNF) fields, constrain the answer (``GenerationConfig.grammar``);
+chat's ``tools`` and ``tool_choice`` become a grammar too (``tools``), and the answer tool calls.
 
 What this module does not know: how the pipeline decodes (it only calls ``stream``), and how
 it is run (``cli/serve.py`` binds it to a host and port).
@@ -51,6 +52,7 @@ from typing import Any
 from .config import MAX_TOP_LOGPROBS, GenerationConfig
 from .errors import ConfigError, DSparkError
 from .grammar import Grammar
+from .tools import ToolError, Tools, history_message, parse_tools, reply, with_tools
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +99,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 # by name rather than ignored, so a client never takes an answer for what it did not ask.
 UNHONOURED = {
     "suffix": (None, ""),
-    "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
-    "function_call": (None, "none"),
+    "best_of": (None, 1), "functions": (None, []), "function_call": (None, "none"),
 }
 
 
@@ -120,8 +121,9 @@ def _same(value: Any, neutral: Any) -> bool:
     return value == neutral
 
 
-def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, GenerationConfig, bool, bool, bool]:
-    """(prompt, generation config, stream, include_usage, echo) of an OpenAI request body, every
+def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, GenerationConfig, bool, bool, bool,
+                                                                    Tools | None]:
+    """(prompt, generation config, stream, include_usage, echo, tools) of an OpenAI request body, every
     field it uses checked. ``ignore_eos`` (as llama-server and vLLM take it) decodes ``max_tokens``
     whatever the model says, for benchmarks. ``stream_options.include_usage`` (streams only, as
     OpenAI's API has it) adds a last event with the token counts and no choices. Log-probabilities
@@ -137,13 +139,27 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
         prompt = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                    or not isinstance(m.get("content"), str):
-                raise BadRequest(f"messages[{i}] must be {{'role': 'system'|'user'|'assistant', 'content': "
-                                 "a string}} (content parts and tool calls are not supported)", "messages")
-            prompt.append({"role": m["role"], "content": m["content"]})
+        try:
+            tools = parse_tools(body)
+            for i, m in enumerate(messages):
+                told = history_message(i, m) if isinstance(m, dict) else None
+                if told is not None:
+                    prompt.append(told)
+                    continue
+                if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                        or not isinstance(m.get("content"), str):
+                    raise BadRequest(f"messages[{i}] must be {{'role': 'system'|'user'|'assistant', 'content': "
+                                     "a string}}, an assistant message with 'tool_calls' or a 'tool' message "
+                                     "(content parts are not supported)", "messages")
+                prompt.append({"role": m["role"], "content": m["content"]})
+        except ToolError as exc:
+            raise BadRequest(str(exc), exc.param) from None
+        prompt = with_tools(prompt, tools)
     else:
+        tools = None
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if body.get(name) is not None:
+                raise BadRequest(f"'{name}' belongs to /v1/chat/completions", name)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -185,6 +201,11 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
     logprobs = _logprobs_wanted(body, chat)
     bias = _logit_bias(body)
     grammar = _grammar(body)
+    if tools is not None:
+        if grammar is not None:
+            raise BadRequest("tools constrain the answer themselves: send 'tools' or a response format, not both",
+                             "tools")
+        grammar = tools.grammar
     include_usage = False
     if options is not None:
         if not stream:
@@ -203,7 +224,7 @@ def parse_request(body: Any, chat: bool, cfg: ServeConfig) -> tuple[Any, Generat
                            # a seed makes the answer a function of the seed alone, whatever the
                            # scheduler chose under the server's load at the time
                            sampling="rejection" if seed is None else "coupled")
-    return prompt, gen, stream, include_usage, echo
+    return prompt, gen, stream, include_usage, echo, tools
 
 
 def _echo(body: dict, chat: bool) -> bool:
@@ -569,7 +590,7 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
         if (refused := key_refused(request)) is not None:
             return refused
         try:
-            prompt, gen, stream, include_usage, echo = parse_request(await read_json(request), chat, cfg)
+            prompt, gen, stream, include_usage, echo, tools = parse_request(await read_json(request), chat, cfg)
         except BadRequest as exc:
             return fail(exc.status, str(exc), exc.kind, exc.param)
         job = Job(prompt, gen, asyncio.get_running_loop())
@@ -590,7 +611,7 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
         if stream:
             counters["requests"]("200")
             return StreamingResponse(_sse(request, job, rid, created, chat, cfg.model, next_event, include_usage,
-                                          token_text if gen.logprobs is not None else None),
+                                          token_text if gen.logprobs is not None else None, tools is not None),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text, logprobs = "", []
         while True:
@@ -617,7 +638,10 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
             logprobs = [SimpleNamespace(token_id=result.prompt_ids[0], logprob=None, top=None),
                         *(result.prompt_logprobs or ())[1:], *logprobs]
         body = (_logprobs_body(logprobs, chat, token_text) if gen.logprobs is not None else None)
-        return JSONResponse(_response(rid, created, chat, cfg.model, text, result, body))
+        calls = None
+        if tools is not None:
+            text, calls = reply(text, result.stop_reason == "eos")
+        return JSONResponse(_response(rid, created, chat, cfg.model, text, result, body, calls))
 
     async def chat_completions(request: Request):
         return await complete(request, True)
@@ -716,10 +740,11 @@ def _usage(result) -> dict:
             "prompt_tokens_details": {"cached_tokens": result.stats.prompt_reused}}
 
 
-def _response(rid: str, created: int, chat: bool, model: str, text: str, result, logprobs: dict | None = None) -> dict:
-    finish = FINISH.get(result.stop_reason, "stop")
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-               "finish_reason": finish} if chat
+def _response(rid: str, created: int, chat: bool, model: str, text: str | None, result,
+              logprobs: dict | None = None, tool_calls: list | None = None) -> dict:
+    finish = "tool_calls" if tool_calls else FINISH.get(result.stop_reason, "stop")
+    message = {"role": "assistant", "content": text} | ({"tool_calls": tool_calls} if tool_calls else {})
+    choice = ({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish} if chat
               else {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
             "choices": [choice], "usage": _usage(result),
@@ -728,8 +753,10 @@ def _response(rid: str, created: int, chat: bool, model: str, text: str, result,
 
 
 async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str, next_event,
-               include_usage: bool = False, token_text=None):
+               include_usage: bool = False, token_text=None, tools: bool = False):
     """Server-sent events of one answer; a client that goes away cancels the job (finally).
+    With ``tools`` the answer is JSON to be read whole (``tools.reply``): it comes in one chunk
+    at the end, as text or as tool calls.
     With ``include_usage`` every event carries ``"usage": null`` and a last one, after the
     finish reason, the answer's token counts with no choices (OpenAI's ``stream_options``).
     With ``token_text`` (log-probabilities asked for) each chunk carries those of the tokens
@@ -745,7 +772,8 @@ async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str
 
     at = 0  # the completions API's text_offset of the next token
 
-    def chunk(delta: str | None, finish: str | None, first: bool = False, logprobs: list | None = None) -> str:
+    def chunk(delta: str | None, finish: str | None, first: bool = False, logprobs: list | None = None,
+              calls: list | None = None) -> str:
         nonlocal at
         lp = None
         if token_text is not None and not first:
@@ -753,18 +781,24 @@ async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str
             at += sum(len(token_text(e.token_id)) for e in logprobs or [])
         if chat:
             d = ({"role": "assistant", "content": ""} if first else {}) | ({"content": delta} if delta else {})
+            if calls:
+                d["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
             return event([{"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}])
         return event([{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": lp}])
 
     try:
         if chat:
             yield chunk(None, None, first=True)
+        held, held_logprobs = "", []  # with tools: the whole answer, read at the end
         while True:
             ev = await next_event(request, job)
             if ev is None:
                 return
             kind, payload = ev
-            if kind == "piece":
+            if kind == "piece" and tools:
+                held += payload[0]
+                held_logprobs += payload[1] or []
+            elif kind == "piece":
                 yield chunk(payload[0], None, logprobs=payload[1])
             elif kind == "error":
                 yield "data: " + json.dumps(error_body(payload[1], "server_error")) + "\n\n"
@@ -775,7 +809,12 @@ async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str
                     yield "data: " + json.dumps(error_body("the request ran past --request-timeout", "timeout")) + "\n\n"
                 else:
                     result, rest = payload
-                    yield chunk(None, FINISH.get(result.stop_reason, "stop"), logprobs=rest)
+                    if tools:
+                        text, calls = reply(held, result.stop_reason == "eos")
+                        yield chunk(text, "tool_calls" if calls else FINISH.get(result.stop_reason, "stop"),
+                                    logprobs=held_logprobs + (rest or []), calls=calls)
+                    else:
+                        yield chunk(None, FINISH.get(result.stop_reason, "stop"), logprobs=rest)
                     if include_usage:
                         yield event([], usage=_usage(result))
                 yield "data: [DONE]\n\n"

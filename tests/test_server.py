@@ -263,6 +263,60 @@ def test_structured_output_follows_the_schema_and_is_the_pipelines_answer(tiny_e
             assert anything.choices[0].message.content.lstrip().startswith("{")
 
 
+# (small: the tiny model's context is 512 tokens of a 384-token vocabulary, and the tools are told in the prompt)
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_tool_calls_follow_the_tools_schemas_and_come_back_as_openais_tool_calls(served):
+    url, ref = served
+    c = client(url)
+    asked = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = c.chat.completions.create(model="tiny", messages=asked, max_tokens=120, temperature=0,
+                                  tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls  # parallel_tool_calls false: exactly one
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in ("weather", "time")
+    args = json.loads(call.function.arguments)
+    assert args in ([{"city": "Paris"}, {"city": "Oslo"}] if call.function.name == "weather"
+                    else [{"zone": "UTC"}, {"zone": "CET"}])
+    named = c.chat.completions.create(model="tiny", messages=asked, max_tokens=120, temperature=0, tools=[WEATHER, CLOCK],
+                                      tool_choice={"type": "function", "function": {"name": "time"}},
+                                      parallel_tool_calls=False)  # (the random tiny model would call on)
+    assert {t.function.name for t in named.choices[0].message.tool_calls} == {"time"}
+    # the model is told the tools and its answer is held to them: the pipeline's answer under that grammar
+    from dspark_edge.tools import parse_tools, reply, with_tools
+
+    tools = parse_tools({"tools": [WEATHER, CLOCK], "tool_choice": "required", "parallel_tool_calls": False})
+    want = ref.generate(with_tools(asked, tools), max_new_tokens=120, grammar=tools.grammar)
+    assert [c["function"]["arguments"] for c in reply(want.text, True)[1]] == [call.function.arguments]
+    # streamed: the calls come in one chunk at the end, which the client assembles
+    chunks = list(c.chat.completions.create(model="tiny", messages=asked, max_tokens=120, temperature=0, stream=True,
+                                            tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False))
+    deltas = [ch.choices[0].delta.tool_calls for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and deltas[0][0].function.arguments == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the call and its result go back in the history; "auto" may answer in words or call again
+    history = asked + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                          "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+    again = c.chat.completions.create(model="tiny", messages=history, max_tokens=120, temperature=0,
+                                      tools=[WEATHER], parallel_tool_calls=False)
+    choice = again.choices[0]
+    assert (choice.finish_reason == "tool_calls" and choice.message.tool_calls) or \
+        (choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str))
+    plain = c.chat.completions.create(model="tiny", messages=asked, max_tokens=12, temperature=0,
+                                      tools=[WEATHER], tool_choice="none")
+    assert plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].message.content == ref.generate(asked, max_new_tokens=12).text
+
+
 def test_a_conversations_next_turn_reuses_the_kv_of_the_last_and_answers_as_from_scratch(served):
     url, ref = served
     c = client(url)
@@ -340,7 +394,17 @@ def test_a_client_leaving_mid_stream_cancels_its_request(served):
         "type": "no-such-type"}}}}, 400, "invalid json grammar"),
     ({"messages": MESSAGES, "grammar": "root ::= missing"}, 400, "invalid gbnf grammar"),
     ({"messages": MESSAGES, "grammar": 'root ::= "a"', "json_schema": {}}, 400, "send one of"),
-    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not"),
+    ({"messages": MESSAGES, "functions": [{"name": "f"}]}, 400, "'functions' is not supported"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, 400, "tools[0] must"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, 400, "twice"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "'tool_choice' must be"),
+    ({"messages": MESSAGES, "tool_choice": "required"}, 400, "'tool_choice' needs 'tools'"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "response_format": {"type": "json_object"}}, 400, "not both"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f",
+                                                                                          "arguments": "{x"}}]}]},
+     400, "are not JSON text"),
     ({"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "'stream_options' must"),
     ({"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "context"),
     ({"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, "bytes"),
