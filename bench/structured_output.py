@@ -53,39 +53,33 @@ PROMPTS = [
 
 
 class GrammarClock:
-    """Seconds spent in ``Constraint``'s masks, application and steps while installed."""
+    """Seconds spent in ``Constraint``'s masks, their application and its steps while installed."""
+
+    NAMES = ("masks", "apply", "take")
 
     def __init__(self) -> None:
         self.s = 0.0
-        self._saved = {}
+        self._saved = {name: Constraint.__dict__[name] for name in self.NAMES}
 
-    def __enter__(self):
-        for name in ("masks", "take"):
-            fn = getattr(Constraint, name)
-            self._saved[name] = fn
-
-            def timed(*a, _fn=fn, **kw):
-                t = time.perf_counter()
-                try:
-                    return _fn(*a, **kw)
-                finally:
-                    self.s += time.perf_counter() - t
-            setattr(Constraint, name, timed)
-        apply = Constraint.apply
-        self._saved["apply"] = apply
-
-        def timed_apply(*a, **kw):
+    def _timed(self, fn):
+        def timed(*a, **kw):
             t = time.perf_counter()
             try:
-                return apply(*a, **kw)
+                return fn(*a, **kw)
             finally:
                 self.s += time.perf_counter() - t
-        Constraint.apply = staticmethod(timed_apply)
+        return timed
+
+    def __enter__(self):
+        for name, raw in self._saved.items():
+            static = isinstance(raw, staticmethod)
+            timed = self._timed(raw.__func__ if static else raw)
+            setattr(Constraint, name, staticmethod(timed) if static else timed)
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, fn in self._saved.items():
-            setattr(Constraint, name, staticmethod(fn) if name == "apply" else fn)
+        for name, raw in self._saved.items():
+            setattr(Constraint, name, raw)
 
 
 def main() -> None:
