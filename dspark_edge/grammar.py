@@ -66,7 +66,8 @@ class Grammar:
             raise ConfigError(f"the {self.kind} grammar is {len(self.text)} characters; at most {MAX_GRAMMAR_CHARS}")
         if not isinstance(self.whitespace, bool):
             raise ConfigError(f"grammar whitespace must be true or false, got {self.whitespace!r}")
-        error = _llguidance().LLMatcher.validate_grammar(self.compiled())
+        object.__setattr__(self, "_llg", self._compile())  # (not a field: kept out of eq and repr)
+        error = _llguidance().LLMatcher.validate_grammar(self._llg)
         if error:
             raise ConfigError(f"invalid {self.kind} grammar: {error.strip()[:600]}")
 
@@ -100,7 +101,10 @@ class Grammar:
         return cls("gbnf", text)
 
     def compiled(self) -> str:
-        """The grammar as llguidance takes it."""
+        """The grammar as llguidance takes it (made once, when the grammar was checked)."""
+        return self._llg
+
+    def _compile(self) -> str:
         llg = _llguidance()
         M = llg.LLMatcher
         try:
