@@ -590,7 +590,10 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
         if (refused := key_refused(request)) is not None:
             return refused
         try:
-            prompt, gen, stream, include_usage, echo, tools = parse_request(await read_json(request), chat, cfg)
+            body = await read_json(request)
+            # in a thread: a large JSON schema or grammar takes a while to compile, and the
+            # event loop serves the other requests' streams meanwhile
+            prompt, gen, stream, include_usage, echo, tools = await asyncio.to_thread(parse_request, body, chat, cfg)
         except BadRequest as exc:
             return fail(exc.status, str(exc), exc.kind, exc.param)
         job = Job(prompt, gen, asyncio.get_running_loop())
