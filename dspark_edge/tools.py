@@ -71,6 +71,11 @@ def parse_tools(body: dict) -> Tools | None:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise ToolError(f"tools[{i}].function.parameters must be a JSON schema (an object)", "tools")
+        strict = fn.get("strict", False)
+        if not isinstance(strict, bool):
+            raise ToolError(f"tools[{i}].function.strict must be true or false", "tools")
+        if strict and params.get("type") == "object" and "additionalProperties" not in params:
+            params = {**params, "additionalProperties": False}  # OpenAI's strict: no key the schema does not name
         description = fn.get("description", "")
         if not isinstance(description, str):
             raise ToolError(f"tools[{i}].function.description must be a string", "tools")

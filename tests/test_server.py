@@ -311,6 +311,13 @@ def test_tool_calls_follow_the_tools_schemas_and_come_back_as_openais_tool_calls
     choice = again.choices[0]
     assert (choice.finish_reason == "tool_calls" and choice.message.tool_calls) or \
         (choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str))
+    from dspark_edge.tools import parse_tools as parse
+
+    open_schema = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}
+    strict = json.loads(parse({"tools": [open_schema]}).grammar.text)
+    assert strict["anyOf"][0]["properties"]["tool_calls"]["items"]["anyOf"][0]["properties"]["arguments"][
+        "additionalProperties"] is False
     plain = c.chat.completions.create(model="tiny", messages=asked, max_tokens=12, temperature=0,
                                       tools=[WEATHER], tool_choice="none")
     assert plain.choices[0].message.tool_calls is None
