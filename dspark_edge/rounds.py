@@ -2,9 +2,10 @@
 
 ``Speculator.round`` is the whole round, in the papers' order; ``Speculator`` holds what one
 generation's rounds share (the drafter and its failure budget, the width policy, the random
-generator, the counts, the grammar's walk). Without a drafter a round is a plain width-1 step. It knows nothing of
-text, stop strings or streaming (``pipeline.TextStream`` does), and it never commits more than
-the target verified: the KV cache after a round holds the anchor and the accepted drafts.
+generator, the counts, the grammar's walk). Without a drafter a round is a plain width-1 step.
+It knows nothing of text, stop strings or streaming (``pipeline.TextStream`` does), and it never
+commits more than the target verified: the KV cache after a round holds the anchor and the
+accepted drafts.
 
 Its collaborators come in explicitly: the target and the pipeline's telemetry and drafter
 release (``Target``), the width policy (``widths``: fixed length, survival cut or the
@@ -209,21 +210,9 @@ class Speculator:
             draft = self._propose(committed + [pending], k_max, position)
             draft_ms = (time.perf_counter() - t_d) * 1e3
             st.draft_s += draft_ms / 1e3
-        forced = 0  # drafts the grammar added: the text it forces after the drafter's
-        if self.constraint is not None:  # drafts past the first the grammar refuses could never be accepted
-            extra = k_max - len(draft) if (self.cfg.speculative and wants) else 0
-            allowed, more, self._masks = self.constraint.masks(draft.tokens, extra)
-            if more:
-                own_drafts = len(draft)
-                draft, forced = _with_forced(draft, more, self.target.vocab_size), len(more)
-            elif allowed < len(draft) and draft.q is not None and self.cfg.temperature > 0 and self.seed is None:
-                # Rejection sampling with the drafter's q: the refused draft stays, to be rejected
-                # there and the token drawn from max(p - q, 0); drawing it from p instead (as a
-                # cut would) biases the answer wherever q gave refused tokens mass.
-                draft = draft.trimmed(allowed + 1)
-                self._masks = np.concatenate([self._masks, self._masks[-1:]])  # (never read)
-            elif allowed < len(draft):  # greedy, coupled or one-hot drafts: a cut is the same verdict
-                draft = draft.trimmed(allowed)
+        own_drafts, forced = len(draft), 0
+        if self.constraint is not None:
+            draft, forced = self._constrain(draft, k_max - len(draft) if (self.cfg.speculative and wants) else 0)
         # Confidences that are already this generation's observed rates get no online offset.
         shift = self.contract is not None and not (self.contract.observed_confidence if draft.observed is None
                                                    else draft.observed)
@@ -266,7 +255,7 @@ class Speculator:
                          drafts=tuple(int(t) for t in draft.tokens), batch=choice)
         record(info)
         # Feedback for the drafter's own learning: its own drafts only (the grammar's come after them).
-        own = min(len(draft), own_drafts) if forced else len(draft)
+        own = min(len(draft), own_drafts)  # the grammar's forced drafts come after the drafter's
         if self.drafter is not None and own > 0:
             try:
                 self.drafter.feedback(own, min(outcome.accepted, own), committed)
@@ -275,6 +264,21 @@ class Speculator:
         if self.failures == failures:  # a round without a failure ends the run of failures
             self.failures = 0
         return info
+
+    def _constrain(self, draft: Draft, room: int) -> tuple[Draft, int]:
+        """The drafts the grammar lets the pass verify, and how many it forced after them (up to
+        ``room``); the masks of the pass's rows go to ``_masks``. Drafts after the first the
+        grammar refuses could never be accepted: they are cut."""
+        allowed, more, self._masks = self.constraint.masks(draft.tokens, room)
+        if more:
+            return _with_forced(draft, more, self.target.vocab_size), len(more)
+        if allowed < len(draft) and draft.q is not None and self.cfg.temperature > 0 and self.seed is None:
+            # Rejection sampling with the drafter's q: the refused draft stays, to be rejected
+            # there and the token drawn from max(p - q, 0); drawing it from p instead (as a cut
+            # would) biases the answer wherever q gave refused tokens mass.
+            self._masks = np.concatenate([self._masks, self._masks[-1:]])  # (its successor's: never read)
+            return draft.trimmed(allowed + 1), 0
+        return draft.trimmed(allowed), 0  # greedy, coupled or one-hot drafts: a cut is the same verdict
 
     def _unload(self, snap: Snapshot) -> None:
         """Memory is low: stop drafting, and release a drafter the pipeline can load again."""
