@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The drafter campaign's joined answers file, rebuilt from the folders committed under drafters/
-# (drafters/README.md records each step as it was first made): runs/answers-all7.npz, 52,964
+# (drafters/README.md records each step as it was first made): runs/answers-all8.npz, 56,289
 # answers whose indices every campaign run's --data-from and held-out draw refer to. A fresh
 # machine needs it before the next run; each step's file is kept in runs/ and reused when present.
 #   bash scripts/campaign_answers.sh [ENGINE]     (default engines/smollm2-135m; exported if missing)
@@ -57,4 +57,6 @@ step runs/answers-data-full4.npz 21247 pack 21247 runs/answers-data-full4.npz
 step runs/answers-all6.npz 47080 merge runs/answers-all6.npz runs/answers-all5.npz runs/answers-data-full4.npz
 step runs/answers-data-full5.npz 27135 pack 27135 runs/answers-data-full5.npz
 step runs/answers-all7.npz 52964 merge runs/answers-all7.npz runs/answers-all6.npz runs/answers-data-full5.npz
-echo "[campaign] runs/answers-all7.npz: 52,964 answers; a next run merges the data folder's newer answers after it" >&2
+step runs/answers-data-full6.npz 30463 pack 30463 runs/answers-data-full6.npz
+step runs/answers-all8.npz 56289 merge runs/answers-all8.npz runs/answers-all7.npz runs/answers-data-full6.npz
+echo "[campaign] runs/answers-all8.npz: 56,289 answers; a next run merges the data folder's newer answers after it" >&2
