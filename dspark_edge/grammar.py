@@ -160,17 +160,18 @@ class Constraint:
             raise ConfigError(f"invalid {grammar.kind} grammar: {self._matcher.get_error()[:600]}")
         self.vocab = vocab
         self._eos = tokens.eos
-        self._words = (vocab + 31) // 32
-        self._bits = np.zeros((1, self._words), dtype=np.int32)
+        self._bits = np.zeros((vocab + 31) // 32, dtype=np.int32)  # llguidance's mask: a bit a token
 
     def _mask(self) -> np.ndarray:
         """The tokens allowed at the matcher's current position, as a bool row over the vocabulary."""
-        m = self._matcher
-        bits = self._bits[0]
-        m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
-        if m.is_error():
-            raise DSparkError(f"structured output failed: {m.get_error()[:300]}")
+        bits = self._bits
+        self._matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        if self._matcher.is_error():
+            raise self._failed()
         return np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.vocab].astype(bool)
+
+    def _failed(self, what: str = "") -> DSparkError:
+        return DSparkError(f"structured output failed{what}: {self._matcher.get_error()[:300]}")
 
     def masks(self, drafts, forced: int = 0) -> tuple[int, list[int], np.ndarray]:
         """(n, more, masks): how many leading ``drafts`` the grammar allows in a row from here;
@@ -202,12 +203,12 @@ class Constraint:
                 more.append(int(t))
                 rows.append(self._mask())
         if taken and not self._matcher.rollback(taken):
-            raise DSparkError(f"structured output failed: {self._matcher.get_error()[:300]}")
+            raise self._failed()
         return n, more, np.stack(rows)
 
     def _consume(self, token: int) -> None:
         if not self._matcher.consume_token(token):
-            raise DSparkError(f"structured output failed: {self._matcher.get_error()[:300]}")
+            raise self._failed(f": token {token} does not follow the grammar")
 
     @staticmethod
     def apply(logits: np.ndarray, masks: np.ndarray) -> np.ndarray:
@@ -221,9 +222,7 @@ class Constraint:
         for t in tokens:
             if int(t) in self._eos:
                 return
-            if not self._matcher.consume_token(int(t)):
-                raise DSparkError(f"structured output: token {int(t)} does not follow the grammar "
-                                  f"({self._matcher.get_error()[:300]})")
+            self._consume(int(t))
 
     @property
     def complete(self) -> bool:
