@@ -52,7 +52,7 @@ from typing import Any
 from .config import MAX_TOP_LOGPROBS, GenerationConfig
 from .errors import ConfigError, DSparkError
 from .grammar import Grammar
-from .tools import ToolError, Tools, history_message, parse_tools, reply, with_tools
+from .tools import AnswerStream, ToolError, Tools, call_id, history_message, parse_tools, reply, with_tools
 
 log = logging.getLogger(__name__)
 
@@ -643,7 +643,7 @@ def build_app(pipe, cfg: ServeConfig, metrics=None):
         body = (_logprobs_body(logprobs, chat, token_text) if gen.logprobs is not None else None)
         calls = None
         if tools is not None:
-            text, calls = reply(text, result.stop_reason == "eos")
+            text, calls = reply(text)
         return JSONResponse(_response(rid, created, chat, cfg.model, text, result, body, calls))
 
     async def chat_completions(request: Request):
@@ -745,7 +745,7 @@ def _usage(result) -> dict:
 
 def _response(rid: str, created: int, chat: bool, model: str, text: str | None, result,
               logprobs: dict | None = None, tool_calls: list | None = None) -> dict:
-    finish = "tool_calls" if tool_calls else FINISH.get(result.stop_reason, "stop")
+    finish = _finish(result, bool(tool_calls))
     message = {"role": "assistant", "content": text} | ({"tool_calls": tool_calls} if tool_calls else {})
     choice = ({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish} if chat
               else {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs})
@@ -755,11 +755,31 @@ def _response(rid: str, created: int, chat: bool, model: str, text: str | None, 
                        "draft_n": result.stats.draft_n, "draft_n_accepted": result.stats.draft_n_accepted}}
 
 
+def _finish(result, called: bool) -> str:
+    """OpenAI's finish reason: "tool_calls" for calls the answer completed, "length" for an
+    answer cut short (calls included: their arguments are cut too)."""
+    reason = FINISH.get(result.stop_reason, "stop")
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _tools_chunk(chunk, out: tuple, logprobs: list) -> str:
+    """The event of one ``AnswerStream`` output (with the log-probabilities held until it)."""
+    if out[0] == "content":
+        return chunk(out[1], None, logprobs=logprobs)
+    if out[0] == "call":
+        calls = [{"index": out[1], "id": call_id(), "type": "function", "function": {"name": out[2], "arguments": ""}}]
+    else:
+        calls = [{"index": out[1], "function": {"arguments": out[2]}}]
+    return chunk(None, None, logprobs=logprobs, calls=calls)
+
+
 async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str, next_event,
                include_usage: bool = False, token_text=None, tools: bool = False):
     """Server-sent events of one answer; a client that goes away cancels the job (finally).
-    With ``tools`` the answer is JSON to be read whole (``tools.reply``): it comes in one chunk
-    at the end, as text or as tool calls.
+    With ``tools`` the answer is JSON read as it comes (``tools.AnswerStream``): a plain answer
+    is streamed as its text, tool calls as OpenAI streams them (a call's id and name, then its
+    arguments' text in pieces), each as soon as it is known; log-probabilities go with the next
+    chunk sent.
     With ``include_usage`` every event carries ``"usage": null`` and a last one, after the
     finish reason, the answer's token counts with no choices (OpenAI's ``stream_options``).
     With ``token_text`` (log-probabilities asked for) each chunk carries those of the tokens
@@ -777,6 +797,7 @@ async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str
 
     def chunk(delta: str | None, finish: str | None, first: bool = False, logprobs: list | None = None,
               calls: list | None = None) -> str:
+        """One event; ``calls``: the delta's ``tool_calls`` entries as they are sent."""
         nonlocal at
         lp = None
         if token_text is not None and not first:
@@ -785,22 +806,25 @@ async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str
         if chat:
             d = ({"role": "assistant", "content": ""} if first else {}) | ({"content": delta} if delta else {})
             if calls:
-                d["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                d["tool_calls"] = calls
             return event([{"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}])
         return event([{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": lp}])
 
     try:
         if chat:
             yield chunk(None, None, first=True)
-        held, held_logprobs = "", []  # with tools: the whole answer, read at the end
+        answer, held_logprobs, called = AnswerStream(), [], False  # with tools: the JSON read so far
         while True:
             ev = await next_event(request, job)
             if ev is None:
                 return
             kind, payload = ev
             if kind == "piece" and tools:
-                held += payload[0]
                 held_logprobs += payload[1] or []
+                for out in answer.feed(payload[0]):
+                    called |= out[0] != "content"
+                    yield _tools_chunk(chunk, out, held_logprobs)
+                    held_logprobs = []
             elif kind == "piece":
                 yield chunk(payload[0], None, logprobs=payload[1])
             elif kind == "error":
@@ -813,9 +837,10 @@ async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str
                 else:
                     result, rest = payload
                     if tools:
-                        text, calls = reply(held, result.stop_reason == "eos")
-                        yield chunk(text, "tool_calls" if calls else FINISH.get(result.stop_reason, "stop"),
-                                    logprobs=held_logprobs + (rest or []), calls=calls)
+                        # an answer cut before it said what it is: its raw text, as ``reply`` gives it
+                        raw = answer.raw if answer.kind is None else None
+                        yield chunk(raw, _finish(result, called),
+                                    logprobs=held_logprobs + (rest or []))
                     else:
                         yield chunk(None, FINISH.get(result.stop_reason, "stop"), logprobs=rest)
                     if include_usage:

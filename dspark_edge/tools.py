@@ -4,9 +4,9 @@ The model is told the tools in a system message, in one generic form whatever it
 and its answer is constrained (``grammar.Grammar``) to one JSON object: ``{"tool_calls": [{"name":
 …, "arguments": {…}}]}``, each call's arguments following that tool's parameter schema, or with
 ``tool_choice`` "auto" ``{"response": "…"}`` instead, a plain answer (compact JSON: no whitespace
-between its tokens). ``reply`` turns that JSON
-into OpenAI's message (``tool_calls`` with ids and the arguments as a JSON string, finish reason
-"tool_calls") or into the answer's text. Earlier turns' calls and the tools' results (an assistant
+between its tokens). ``reply`` turns that JSON into OpenAI's message (``tool_calls`` with ids
+and the arguments as JSON text) or into the answer's text; ``AnswerStream`` reads it as it is
+decoded, for a stream that sends each part as soon as it is known. Earlier turns' calls and the tools' results (an assistant
 message with ``tool_calls``, a ``tool`` message) go back to the model in the same JSON form.
 
 Every request field is checked here; a bad one is a ``ValueError`` whose message names the field
@@ -155,19 +155,199 @@ def history_message(i: int, m: dict) -> dict | None:
     return {"role": "assistant", "content": json.dumps({"tool_calls": out}, ensure_ascii=False)}
 
 
-def reply(text: str, complete: bool) -> tuple[str | None, list[dict] | None]:
+def reply(text: str) -> tuple[str | None, list[dict] | None]:
     """(content, tool_calls) of an answer under a tools grammar: the calls in OpenAI's form
-    (fresh ids, arguments as JSON text), or the plain answer's text. An answer cut short
-    (``complete`` False: no valid JSON yet) is returned as its raw text."""
-    if complete:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = None
-        if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
-            return None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                           "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-                          for c in value["tool_calls"]]
-        if isinstance(value, dict) and isinstance(value.get("response"), str):
-            return value["response"], None
+    (fresh ids, each call's arguments the JSON text the model wrote), or the plain answer's text.
+    An answer cut short gives what it holds so far, as a stream would have given it
+    (``AnswerStream``): the calls named so far with their arguments as far as written, or the
+    plain answer's text so far; one cut before either is returned as its raw text."""
+    stream = AnswerStream()
+    stream.feed(text)
+    calls = [c for c in stream.calls if c["name"] is not None]
+    if calls:
+        return None, [{"id": call_id(), "type": "function",
+                       "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    if stream.kind == "response":
+        return stream.content, None
     return text, None
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+_SPACE = " \t\n\r"
+
+
+class AnswerStream:
+    """Reads an answer under a tools grammar as it is decoded, and says as early as it is known
+    what a streaming client is sent: the plain answer's text (the ``response`` string decoded),
+    or each tool call's name and then its arguments' JSON text piece by piece, as OpenAI streams
+    them. ``feed(text)`` takes the next decoded text and returns the new events: ("content",
+    text), ("call", index, name) and ("arguments", index, text); a call's name comes before any
+    of its arguments (arguments written before the name are held until it). Any JSON is read
+    (the grammar makes it compact and of the tools' shape; nothing here depends on that);
+    ``kind`` is the answer's first key once read, ``calls`` the calls so far ({"name": None until
+    read, "arguments": the text so far}), ``content`` the plain answer's text so far."""
+
+    def __init__(self) -> None:
+        self.raw = ""
+        self.kind: str | None = None
+        self.content = ""
+        self.calls: list[dict] = []
+        self._at = 0  # the next character of ``raw`` to read
+        self._stack: list[list] = []  # open containers: ["{", key] or ["[", items before]
+        self._mode = "value"  # value | key | colon | after | string | literal
+        self._key = False  # the string being read is an object's key
+        self._escaped = False
+        self._string_from = 0  # where the string being read starts (after its quote)
+        self._args: tuple[int, int, int] | None = None  # (call, depth, start) while its arguments are read
+        self._sent: list[int] = []  # per call: how much of its arguments was sent
+
+    def feed(self, text: str) -> list[tuple]:
+        self.raw += text
+        events: list[tuple] = []
+        raw = self.raw
+        while self._at < len(raw):
+            self._read(raw[self._at], events)
+        if self._in_response():
+            self._decode(raw[self._string_from:len(raw)], events)
+        self._flush(events)
+        return events
+
+    def _flush(self, events: list) -> None:
+        """Send the arguments read and not sent yet of every call whose name is known."""
+        if self._args is not None:
+            call, _, start = self._args
+            self.calls[call]["arguments"] = self.raw[start:self._at]
+        for i, call in enumerate(self.calls):
+            if call["name"] is not None and len(call["arguments"]) > self._sent[i]:
+                events.append(("arguments", i, call["arguments"][self._sent[i]:]))
+                self._sent[i] = len(call["arguments"])
+
+    def _path(self) -> tuple:
+        return tuple(top[1] for top in self._stack)
+
+    def _in_response(self) -> bool:
+        return self._mode == "string" and not self._key and self._path() == ("response",)
+
+    def _read(self, c: str, events: list) -> None:
+        """Read ``raw[_at]`` (``c``) and move on (a literal's end is read again as what follows it)."""
+        i, mode = self._at, self._mode
+        self._at += 1
+        if mode == "string":
+            if self._escaped:
+                self._escaped = False
+            elif c == "\\":
+                self._escaped = True
+            elif c == '"':
+                self._string_end(self.raw[self._string_from:i], events)
+            return
+        if c in _SPACE:
+            if mode == "literal":
+                self._value_end(i)
+            return
+        if mode == "literal":
+            if c in ",}]":
+                self._value_end(i)
+                self._at = i  # read the delimiter again, after the value
+            return
+        if mode == "key":
+            if c == '"':
+                self._mode, self._key, self._string_from = "string", True, i + 1
+            elif c == "}":
+                self._close(i)
+        elif mode == "colon":
+            if c == ":":
+                self._mode = "value"
+        elif mode == "value":
+            if c == "]" and self._stack and self._stack[-1][0] == "[":
+                self._close(i)
+                return
+            self._value_start(i)
+            if c == "{":
+                self._open("{", None)
+            elif c == "[":
+                self._open("[", 0)
+            elif c == '"':
+                self._mode, self._key, self._string_from = "string", False, i + 1
+            else:
+                self._mode = "literal"
+        elif mode == "after":
+            if c == "," and self._stack:
+                top = self._stack[-1]
+                if top[0] == "[":
+                    top[1] += 1
+                    self._mode = "value"
+                else:
+                    self._mode = "key"
+            elif c in "}]":
+                self._close(i)
+
+    def _open(self, kind: str, first) -> None:
+        self._stack.append([kind, first])
+        self._mode = "key" if kind == "{" else "value"
+        if kind == "{" and len(self._stack) == 3 and self._path()[:1] == ("tool_calls",):
+            self.calls.append({"name": None, "arguments": ""})
+            self._sent.append(0)
+
+    def _close(self, i: int) -> None:
+        self._stack.pop()
+        self._value_end(i + 1)
+
+    def _value_start(self, i: int) -> None:
+        path = self._path()
+        if len(path) == 3 and path[0] == "tool_calls" and path[2] == "arguments" and self.calls:
+            self._args = (len(self.calls) - 1, len(self._stack), i)
+
+    def _value_end(self, end: int) -> None:
+        """A value ended just before ``end``: back in its container (or the answer is done)."""
+        self._mode = "after"
+        if self._args is not None and len(self._stack) == self._args[1]:
+            call, _, start = self._args
+            self.calls[call]["arguments"] = self.raw[start:end]
+            self._args = None
+
+    def _string_end(self, body: str, events: list) -> None:
+        value = _json_string(body)
+        if self._key:
+            if self._stack:
+                self._stack[-1][1] = value
+            if len(self._stack) == 1 and self.kind is None:
+                self.kind = value
+            self._mode = "colon"
+            return
+        path = self._path()
+        if path == ("response",):
+            self._decode(body, events, whole=True)
+        elif len(path) == 3 and path[0] == "tool_calls" and path[2] == "name" and self.calls:
+            self._flush(events)  # the earlier calls' arguments first: a client reads the calls in order
+            call = len(self.calls) - 1
+            self.calls[call]["name"] = value
+            events.append(("call", call, value))
+        self._value_end(self._at)
+
+    def _decode(self, body: str, events: list, whole: bool = False) -> None:
+        """Send the plain answer's text decoded so far: the longest prefix of ``body`` (the string
+        as written so far) that decodes, less a last high surrogate whose pair may follow."""
+        text = None
+        for cut in range(len(body), max(-1, len(body) - 12), -1):
+            try:
+                text = json.loads('"' + body[:cut] + '"')
+                break
+            except json.JSONDecodeError:
+                continue
+        if text is None:
+            return
+        if not whole and text and "\ud800" <= text[-1] <= "\udbff":
+            text = text[:-1]
+        if len(text) > len(self.content):
+            events.append(("content", text[len(self.content):]))
+            self.content = text
+
+
+def _json_string(body: str) -> str:
+    try:
+        return json.loads('"' + body + '"')
+    except json.JSONDecodeError:
+        return body

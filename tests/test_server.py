@@ -294,13 +294,32 @@ def test_tool_calls_follow_the_tools_schemas_and_come_back_as_openais_tool_calls
 
     tools = parse_tools({"tools": [WEATHER, CLOCK], "tool_choice": "required", "parallel_tool_calls": False})
     want = ref.generate(with_tools(asked, tools), max_new_tokens=120, grammar=tools.grammar)
-    assert [c["function"]["arguments"] for c in reply(want.text, True)[1]] == [call.function.arguments]
-    # streamed: the calls come in one chunk at the end, which the client assembles
+    assert [c["function"]["arguments"] for c in reply(want.text)[1]] == [call.function.arguments]
+    # streamed as OpenAI streams calls: the call's id and name first, then its arguments in pieces
     chunks = list(c.chat.completions.create(model="tiny", messages=asked, max_tokens=120, temperature=0, stream=True,
                                             tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False))
-    deltas = [ch.choices[0].delta.tool_calls for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls]
-    assert len(deltas) == 1 and deltas[0][0].function.arguments == call.function.arguments
+    deltas = [d for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls for d in ch.choices[0].delta.tool_calls]
+    head, *rest = deltas
+    assert head.index == 0 and head.id.startswith("call_") and head.function.name == call.function.name
+    assert head.function.arguments == "" and len(rest) >= 1 and all(d.index == 0 and d.id is None for d in rest)
+    assert "".join(d.function.arguments for d in rest) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # "auto": the answer streams as it is decoded, a plain answer as its text, and assembles to
+    # the answer given whole
+    for choice in ("auto", "required"):
+        whole = c.chat.completions.create(model="tiny", messages=asked, max_tokens=60, temperature=0,
+                                          tools=[WEATHER, CLOCK], tool_choice=choice).choices[0]
+        parts = list(c.chat.completions.create(model="tiny", messages=asked, max_tokens=60, temperature=0,
+                                               stream=True, tools=[WEATHER, CLOCK], tool_choice=choice))
+        text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+        calls: dict = {}
+        for d in (d for p in parts if p.choices for d in p.choices[0].delta.tool_calls or ()):
+            calls.setdefault(d.index, ["", ""])
+            calls[d.index][0] += d.function.name or ""
+            calls[d.index][1] += d.function.arguments or ""
+        assert (text or None) == whole.message.content and parts[-1].choices[0].finish_reason == whole.finish_reason
+        assert [tuple(calls[k]) for k in sorted(calls)] == \
+            [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or ()]
     # the call and its result go back in the history; "auto" may answer in words or call again
     history = asked + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": call.id, "type": "function", "function": {"name": call.function.name,
