@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -82,18 +83,37 @@ class GrammarClock:
             setattr(Constraint, name, raw)
 
 
+class Unconstrained:
+    """A drafter as it drafts without a grammar: its requests lose ``allowed`` (the rest of
+    the drafter protocol is the wrapped drafter's)."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def propose(self, request, rng):
+        return self._inner.propose(replace(request, allowed=None), rng)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", required=True)
     ap.add_argument("--precision", default="fp32")
-    ap.add_argument("--drafters", default="none,ngram,ngram+self")
+    ap.add_argument("--drafters", default="none,ngram,ngram+self",
+                    help="drafter names; NAME/free: the drafter drawing its drafts without the grammar (the "
+                         "round still cuts those it refuses), to measure drafting under it")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=160)
     args = ap.parse_args()
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     if "none" not in drafters:
         drafters.insert(0, "none")
-    pipes = {d: dspark_edge.load(args.engine, args.precision, drafter=d) for d in drafters}
+    pipes = {d: dspark_edge.load(args.engine, args.precision, drafter=d.removesuffix("/free")) for d in drafters}
+    for d in drafters:
+        if d.endswith("/free"):
+            pipes[d].drafter = Unconstrained(pipes[d].drafter)
     modes = ["plain"] + drafters + ["unconstrained"]
     constrained = ["plain"] + drafters
     rates = {m: [] for m in modes}

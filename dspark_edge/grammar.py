@@ -161,6 +161,9 @@ class Constraint:
         self.vocab = vocab
         self._eos = tokens.eos
         self._bits = np.zeros((vocab + 31) // 32, dtype=np.int32)  # llguidance's mask: a bit a token
+        # Masks after draft prefixes from the current position (``allowed_after``), for the
+        # round's ``masks`` to reuse; cleared when the position moves (``take``).
+        self._ahead: dict[tuple[int, ...], np.ndarray | None] = {}
 
     def _mask(self) -> np.ndarray:
         """The tokens allowed at the matcher's current position, as a bool row over the vocabulary."""
@@ -173,6 +176,32 @@ class Constraint:
     def _failed(self, what: str = "") -> DSparkError:
         return DSparkError(f"structured output failed{what}: {self._matcher.get_error()[:300]}")
 
+    def allowed_after(self, drafts) -> np.ndarray | None:
+        """The tokens the grammar allows after ``drafts`` from the current position (a bool row
+        over the vocabulary, not to be written), or None where no token can follow them (one is
+        refused or ends the answer). The matcher is left where it was. For a drafter drawing its
+        drafts under the grammar (``DraftRequest.allowed``); ``masks`` reuses what it computed."""
+        key = tuple(int(d) for d in drafts)
+        if key in self._ahead:
+            return self._ahead[key]
+        row = self._mask_after(key)
+        self._ahead[key] = row
+        return row
+
+    def _mask_after(self, key: tuple[int, ...]) -> np.ndarray | None:
+        if key and (key[:-1] in self._ahead and self._ahead[key[:-1]] is None):
+            return None
+        taken = 0
+        try:
+            for d in key:
+                if d in self._eos or not self._matcher.consume_token(d):
+                    return None
+                taken += 1
+            return self._mask()
+        finally:
+            if taken and not self._matcher.rollback(taken):
+                raise self._failed()
+
     def masks(self, drafts, forced: int = 0) -> tuple[int, list[int], np.ndarray]:
         """(n, more, masks): how many leading ``drafts`` the grammar allows in a row from here;
         when it allows them all, up to ``forced`` tokens the grammar forces after them (``more``:
@@ -180,8 +209,9 @@ class Constraint:
         allowed tokens of pass rows 0..n + len(more) (row i after the i tokens before it). An
         end-of-turn draft is the last one kept (nothing after it is read: its row repeats the one
         before). The matcher is left where it was."""
-        rows = [self._mask()]
-        taken, ended = 0, False
+        ahead = self._ahead
+        rows = [ahead[()] if ahead.get(()) is not None else self._mask()]
+        taken, ended, prefix = 0, False, ()
         for d in drafts:
             d = int(d)
             if not rows[-1][d]:
@@ -192,7 +222,9 @@ class Constraint:
                 break
             self._consume(d)
             taken += 1
-            rows.append(self._mask())
+            prefix += (d,)
+            known = ahead.get(prefix)
+            rows.append(known if known is not None else self._mask())
         n, more = len(rows) - 1, []
         if forced > 0 and n == len(drafts) and not ended:
             for t in self._matcher.compute_ff_tokens()[:forced]:
@@ -219,6 +251,7 @@ class Constraint:
     def take(self, tokens) -> None:
         """Advance past ``tokens``, chosen under this grammar's masks (up to an end-of-turn
         token: the answer ends there)."""
+        self._ahead.clear()
         for t in tokens:
             if int(t) in self._eos:
                 return

@@ -298,7 +298,8 @@ class Speculator:
             cfg = self.cfg
             proposal = self.drafter.propose(DraftRequest(
                 context, k_max, cfg.temperature, cfg.top_k, cfg.top_p, new_hidden, coupled_seed=self.seed,
-                position=position, yardstick=self.policy.yardstick(self.target.model.widths)), self.rng)
+                position=position, yardstick=self.policy.yardstick(self.target.model.widths),
+                allowed=None if self.constraint is None else self.constraint.allowed_after), self.rng)
             check_draft(proposal, k_max, self.target.vocab_size)
         except Exception as exc:
             self._failed("propose", exc)

@@ -246,3 +246,31 @@ def test_bad_grammars_are_config_errors_that_name_the_problem(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_llguidance)
     with pytest.raises(ConfigError, match=r"pip install 'dspark-edge\[structured\]'"):
         Grammar.regex("[0-9]+")
+
+
+def test_the_self_drafters_copy_drafts_under_the_grammar(plain, tiny_engine):
+    """The INT8 copy draws its drafts from the tokens the grammar allows there: none is cut
+    before the target pass, and the answer is plain decoding's under the grammar."""
+    grammar = Grammar.regex(r"[a-z]+( [a-z]+){5}")
+    pipe = dspark_edge.load(tiny_engine, scheduler=False, drafter="self")
+    rounds = []
+    pipe.add_observer(type("Obs", (), {"on_round": lambda self, info: rounds.append(info)})())
+    want = plain.generate(PROMPTS[0], max_new_tokens=40, grammar=grammar)
+    got = pipe.generate(PROMPTS[0], max_new_tokens=40, grammar=grammar, draft_tokens=3)
+    assert got.token_ids == want.token_ids and re.fullmatch(r"[a-z]+( [a-z]+){5}", got.text)
+    copied = [r for r in rounds if r.drafting and r.drafting.get("source") == "self" and r.drafting.get("copied")]
+    assert copied and got.stats.draft_n > 0
+    assert all(r.drafted == r.drafting["copied"] for r in copied)  # not one of the copy's drafts refused
+
+
+def test_rejection_sampling_under_a_grammar_with_the_copy_drafting_under_it(tiny_engine):
+    from test_speculative_tiny import _chi2_rejects
+
+    grammar = Grammar.regex(r"[a-z]+ [a-z]+ [a-z]+")
+    prompt = "The quick brown fox The quick brown"
+    pipe = dspark_edge.load(tiny_engine, scheduler=False, drafter="self")
+    drafted = sum(pipe.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=4, seed=s, grammar=grammar,
+                                ignore_eos=True, draft_tokens=2).stats.draft_n for s in range(20))
+    assert drafted > 0
+    exact = _masked_joint(pipe, pipe.encode_prompt(prompt), grammar, 3, 4)
+    assert not _chi2_rejects(pipe, prompt, exact, 2000, 4, grammar=grammar, draft_tokens=2)

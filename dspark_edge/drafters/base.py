@@ -81,6 +81,14 @@ class DraftRequest:
     # drafting costs per token: it asks this whether drafting on pays. None: no cost model
     # (a fixed draft length, or no scheduler).
     yardstick: Yardstick | None = None
+    # Structured output (``GenerationConfig.grammar``): ``allowed(drafts)`` is the row of tokens
+    # (bool over the target's vocabulary) the grammar allows after ``drafts`` from here, or None
+    # where none can follow them (one is refused or ends the answer). A drafter that draws its
+    # drafts from distributions may draw them under these rows (its q is then the distribution
+    # under the row, which the target's verdict, taken under the same grammar, accounts for);
+    # drafts the grammar refuses are cut before the target pass whatever the drafter does.
+    # None: the answer is not constrained.
+    allowed: Callable[[Sequence[int]], np.ndarray | None] | None = None
 
 
 class Drafter(Protocol):

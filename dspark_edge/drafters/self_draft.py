@@ -374,10 +374,16 @@ class SelfDrafter(BaseDrafter):
             return ((1.0 + expected + reach) / (spent + fill_ms)
                     >= (1.0 + expected + rest) / (spent + (k_max - len(tokens)) * d + fill_ms))
 
+        def open_() -> bool:
+            """Whether a further draft can follow (under a grammar: one that does not end the answer)."""
+            return request.allowed is None or request.allowed(tokens) is not None
+
         def take(logits: np.ndarray) -> int:
-            """Draw the next draft from one row of the copy's logits; its confidence is set
-            before the draw."""
+            """Draw the next draft from one row of the copy's logits (under a grammar, from the
+            tokens it allows there: ``open_()`` was checked); its confidence is set before the draw."""
             nonlocal survival, expected, last_c
+            if request.allowed is not None:
+                logits = masked(logits, request.allowed(tokens))
             if greedy:
                 x, margin = greedy_margin(logits)
                 b, c = self._confidence(margin)
@@ -397,12 +403,16 @@ class SelfDrafter(BaseDrafter):
 
         x = int(request.context[-1])
         view.length = cache.length
+        stop, why = False, "every length asked for"
         try:
             if guesses:
                 # The staged check: rows 0..j of one pass over the pending token and the guesses.
                 t = time.perf_counter()
                 rows = self._run(view, np.asarray([x, *guesses], dtype=np.int64))
                 for i in range(len(guesses) + 1):
+                    if not open_():
+                        stop, why = True, "the grammar ends the answer at the drafts"
+                        break
                     x = take(rows[i])
                     if i == len(guesses) or x != guesses[i]:
                         break
@@ -414,8 +424,7 @@ class SelfDrafter(BaseDrafter):
                 self.staged[0] += 1
                 self.staged[1] += len(guesses)
                 self.staged[2] += self._agreed
-            stop, why = False, "every length asked for"
-            for goal in listed:
+            for goal in listed if not stop else ():
                 if ys is not None and tokens and goal > len(tokens):
                     # Before drafting up to ``goal``: does the round with them promise more tokens
                     # per ms than the round as it stands? Their conditional confidences are guessed
@@ -444,6 +453,9 @@ class SelfDrafter(BaseDrafter):
                     if ys is None and tokens and fills():
                         stop, why = True, "the n-gram continuation completes the length asked for"
                         break
+                    if not open_():
+                        stop, why = True, "the grammar ends the answer at the drafts"
+                        break
                     t = time.perf_counter()
                     logits = self._run(view, np.array([x], dtype=np.int64))[-1]
                     view.commit(1)
@@ -460,7 +472,8 @@ class SelfDrafter(BaseDrafter):
         n = min(len(tokens), k_max)
         del tokens[n:], qs[n:], conf[n:]
         self._copied = n
-        more = extension() if ys is not None or stop else Draft.empty()
+        ended = not open_()  # under a grammar, the drafts end the answer: nothing follows them
+        more = extension() if (ys is not None or stop) and not ended else Draft.empty()
         if len(more):
             # The n-gram drafts after the copy's: deterministic given the drafts before them,
             # so each is drawn from a point mass at itself.
@@ -492,6 +505,14 @@ class SelfDrafter(BaseDrafter):
         for i in range(judged(len(bins), accepted)):
             self.tried[bins[i]] += 1
             self.accepted[bins[i]] += i < accepted
+
+
+def masked(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """``logits`` with the tokens ``allowed`` refuses at -inf (ids past its end refused too)."""
+    keep = np.zeros(logits.shape[0], dtype=bool)
+    n = min(keep.shape[0], allowed.shape[0])
+    keep[:n] = allowed[:n]
+    return np.where(keep, logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)
 
 
 def guesses_judged(guessed: int, agreed: int, drafted: int, accepted: int) -> tuple[int, int]:
