@@ -274,3 +274,47 @@ def test_rejection_sampling_under_a_grammar_with_the_copy_drafting_under_it(tiny
     assert drafted > 0
     exact = _masked_joint(pipe, pipe.encode_prompt(prompt), grammar, 3, 4)
     assert not _chi2_rejects(pipe, prompt, exact, 2000, 4, grammar=grammar, draft_tokens=2)
+
+
+class Checked:
+    """A drafter whose every proposal is checked against the request's grammar rows."""
+
+    def __init__(self, inner) -> None:
+        self._inner, self.proposals = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def propose(self, request, rng):
+        draft = self._inner.propose(request, rng)
+        for i, t in enumerate(draft.tokens):
+            row = request.allowed(draft.tokens[:i])
+            assert row is not None and row[int(t)], f"draft {i} ({int(t)}) is refused by the grammar"
+        self.proposals += len(draft) > 0
+        return draft
+
+
+def test_the_dspark_drafter_drafts_under_the_grammar(plain, tiny_with_drafter):
+    engine, _, _ = tiny_with_drafter
+    grammar = Grammar.regex(r"[a-z]+( [a-z]+){5}")
+    pipe = dspark_edge.load(engine, scheduler=False, drafter="dspark")
+    pipe.drafter = checked = Checked(pipe.drafter)
+    want = plain.generate(PROMPTS[0], max_new_tokens=40, grammar=grammar)
+    got = pipe.generate(PROMPTS[0], max_new_tokens=40, grammar=grammar, draft_tokens=3)
+    assert got.token_ids == want.token_ids and checked.proposals > 0
+    sampled = pipe.generate(PROMPTS[0], max_new_tokens=40, grammar=grammar, draft_tokens=3, temperature=1.0, seed=3)
+    assert re.fullmatch(r"[a-z]+( [a-z]+){5}", sampled.text) and checked.proposals > 1
+
+
+def test_rejection_sampling_under_a_grammar_with_dspark_drafting_under_it(tiny_with_drafter):
+    from test_speculative_tiny import _chi2_rejects
+
+    engine, _, _ = tiny_with_drafter
+    grammar = Grammar.regex(r"[a-z]+ [a-z]+ [a-z]+")
+    prompt = "The quick brown fox The quick brown"
+    pipe = dspark_edge.load(engine, scheduler=False, drafter="dspark")
+    drafted = sum(pipe.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=4, seed=s, grammar=grammar,
+                                ignore_eos=True, draft_tokens=2).stats.draft_n for s in range(20))
+    assert drafted > 0
+    exact = _masked_joint(pipe, pipe.encode_prompt(prompt), grammar, 3, 4)
+    assert not _chi2_rejects(pipe, prompt, exact, 2000, 4, grammar=grammar, draft_tokens=2)

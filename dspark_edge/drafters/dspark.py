@@ -280,25 +280,45 @@ class DSparkDrafter(BaseDrafter):
             return Draft.empty()
         greedy = request.temperature == 0.0
         qs: list[np.ndarray] = []
+        drawn: list[int] = []  # the drafts so far, as target ids (under a grammar)
+        open_ = [k]  # under a grammar: how many drafts can be kept (those before one it ends or bars)
 
         def choose(j: int, logits: np.ndarray, cand: np.ndarray | None) -> int:
-            if greedy:
-                return int(np.argmax(logits))
-            qd = probs(logits, request.temperature, request.top_k, request.top_p)
-            q = np.zeros(self.vocab_size)
-            q[self.vocab_ids if cand is None else self.vocab_ids[cand]] = qd
-            qs.append(q)
-            if request.coupled_seed is not None:  # the target's noise for this position, over its vocabulary
-                picked = int(self.to_draft[coupled_pick(q, request.coupled_seed, request.position + j)])
-                return picked if cand is None else int(np.flatnonzero(cand == picked)[0])
-            return sample(qd, rng)
+            if request.allowed is not None:
+                ids = self.vocab_ids if cand is None else self.vocab_ids[cand]
+                row = request.allowed(drawn) if j < open_[0] else None
+                keep = None if row is None else row[ids]
+                if keep is None or not keep.any():  # no draft of this vocabulary can follow here
+                    open_[0] = min(open_[0], j)
+                    return 0  # a placeholder, cut below
+                logits = np.where(keep, logits, np.float32(-np.inf))
+                picked = self._choose(j, logits, cand, greedy, request, qs, rng)
+                drawn.append(int(ids[picked]))
+                return picked
+            return self._choose(j, logits, cand, greedy, request, qs, rng)
 
         anchor_row = None if self.anchor_rows is None else self.anchor_rows[anchor]
         idx, z = sequential_step(u[:k], h[:k], int(self.to_draft[anchor]), self.w1, self.w2, self.conf_w,
                                  self.conf_b, choose, self.markov_top_k, anchor_row)
         conf = sigmoid(z / self.temperatures[:k] + self.biases[:k])
         self._note_round(block, (time.perf_counter() - t0) * 1e3, conf, request.yardstick)
-        return Draft(self.vocab_ids[idx], np.stack(qs) if qs else None, conf)
+        n = open_[0]
+        return Draft(self.vocab_ids[idx[:n]], np.stack(qs[:n]) if qs[:n] else None, conf[:n])
+
+    def _choose(self, j: int, logits: np.ndarray, cand: np.ndarray | None, greedy: bool, request: DraftRequest,
+                qs: list, rng: np.random.Generator) -> int:
+        """Draft ``j`` from its logits over ``cand`` (draft-vocabulary indices; None: all): the
+        argmax, or a draw whose distribution over the target's vocabulary goes to ``qs``."""
+        if greedy:
+            return int(np.argmax(logits))
+        qd = probs(logits, request.temperature, request.top_k, request.top_p)
+        q = np.zeros(self.vocab_size)
+        q[self.vocab_ids if cand is None else self.vocab_ids[cand]] = qd
+        qs.append(q)
+        if request.coupled_seed is not None:  # the target's noise for this position, over its vocabulary
+            picked = int(self.to_draft[coupled_pick(q, request.coupled_seed, request.position + j)])
+            return picked if cand is None else int(np.flatnonzero(cand == picked)[0])
+        return sample(qd, rng)
 
     def _note_round(self, block: int, ms: float, conf: np.ndarray, yardstick: Yardstick | None) -> None:
         """Running means for ``_choose_block``: the block's drafting time, and each slot's
