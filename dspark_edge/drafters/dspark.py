@@ -13,7 +13,10 @@ sequential step runs in numpy, left to right:
 
 The LM head runs once per block inside the graph; the sequential step touches an r-wide row
 and an r × Vd matrix. Drafts live in the draft vocabulary (``vocab_ids``); q is returned over
-the full vocabulary (zero outside it) for lossless sampling.
+the full vocabulary (zero outside it) for lossless sampling. Under a grammar
+(``DraftRequest.allowed``) x_k is drawn from the tokens it allows after x_1 … x_{k-1} (q is then
+that masked distribution), and the block ends before a slot where none of the draft vocabulary
+can follow.
 """
 
 from __future__ import annotations

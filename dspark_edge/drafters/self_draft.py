@@ -11,6 +11,10 @@ exported for it and no second cache is held. In a batched server (``batching``) 
 drafters share one copy, which drafts over the slot's row of the batch's K/V while the slot's
 request is the only one decoding; with others decoding the slot offers only its n-gram drafts.
 
+Under a grammar (``DraftRequest.allowed``) the copy draws each draft from the tokens the grammar
+allows after the drafts before it (its q is then that masked distribution), and stops drafting
+where the drafts end the answer.
+
 A drafted token costs a step of the copy (on a 2-core AVX2 CPU an INT8 step is about 55 % of an
 FP32 step), so drafting stops early where the drafts are unlikely to be accepted: before each
 further draft, the expected tokens per millisecond of the round with it (its survival guessed
