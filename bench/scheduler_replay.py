@@ -11,7 +11,9 @@ block: how many drafts the target would accept and their calibrated confidences.
 replayed over those records with round costs from this device's profile (verify cost per
 width) plus the measured drafting time, giving tokens per ms per prompt and category: the
 same comparison as ``python -m dspark_edge bench``, deterministic, in seconds. It ranks
-policies; the interleaved benchmark still measures them. Prints one JSON object.
+policies; the interleaved benchmark still measures them. An oracle that knows each round's
+accepted count bounds what any width policy can gain over the best fixed length (``vs_best_fixed``).
+Prints one JSON object.
 
 Meant for drafters whose confidences depend only on the committed text (the DSpark drafter,
 draft models). The n-gram drafter's depend on the rounds themselves (its acceptance statistics,
@@ -74,8 +76,10 @@ def record(pipe, prompts: list[dict], max_new: int) -> list[dict]:
 
 
 def replay(records: list[dict], policy, verify_ms: dict[int, float], widths: tuple[int, ...]) -> list[float]:
-    """Tokens per ms of every prompt under ``policy``: None (plain), an int (fixed drafts), or
-    a ``Scheduler`` (kept across prompts, as a pipeline keeps it). As in the pipeline, the
+    """Tokens per ms of every prompt under ``policy``: None (plain), an int (fixed drafts),
+    "oracle" (a width policy that knows how many drafts the target will accept and verifies
+    exactly those, drafting every round: the ceiling of any width policy for this drafter and
+    cost curve), or a ``Scheduler`` (kept across prompts, as a pipeline keeps it). As in the pipeline, the
     confidence offset neither shifts nor learns from a drafter's observed-rate confidences
     (records without the key are from drafters with a confidence head)."""
     from dspark_edge.telemetry import Snapshot
@@ -89,6 +93,9 @@ def replay(records: list[dict], policy, verify_ms: dict[int, float], widths: tup
             k_max = min(len(r["conf"][j]), n - 1 - j - 1)
             if policy is None or k_max < 1:
                 w, drafted = 1, False
+            elif policy == "oracle":
+                k = min(r["acc"][j], k_max)
+                w, drafted = max(x for x in widths if x <= k + 1), True
             elif isinstance(policy, int):
                 k = min(policy, k_max)
                 w, drafted = max(x for x in widths if x <= k + 1), True
@@ -100,7 +107,7 @@ def replay(records: list[dict], policy, verify_ms: dict[int, float], widths: tup
                     policy.costs.observe_draft(r["draft_ms"])
             tokens = 1 + min(r["acc"][j], w - 1)
             cost = verify_ms[w] + (r["draft_ms"] if drafted else 0.0)
-            if not isinstance(policy, (int, type(None))):
+            if not isinstance(policy, (int, str, type(None))):
                 policy.observe(w, verify_ms[w])
                 if drafted:  # the pipeline's gate counts every round that drafted
                     policy.observe_round(tokens, cost)
@@ -163,6 +170,7 @@ def main() -> int:
     policies: dict[str, object] = {"plain": None}
     for k in (int(x) for x in args.fixed.split(",")):
         policies[f"k={k}"] = k
+    policies["oracle (knows the accepted count)"] = "oracle"
     for pe in (int(x) for x in args.probe_every.split(",")):
         for gate in (True, False):
             for lr in lrs:
@@ -185,8 +193,10 @@ def main() -> int:
                   for c in cats}
         result["policies"][name] = {"tok_s": round(1e3 * float(np.mean(rates)), 2), "by_category": by_cat}
     base = result["policies"]["plain"]["tok_s"]
+    fixed = max(v["tok_s"] for name, v in result["policies"].items() if name.startswith("k="))
     for v in result["policies"].values():
         v["vs_plain"] = round(v["tok_s"] / base, 3)
+        v["vs_best_fixed"] = round(v["tok_s"] / fixed, 3)
     print(json.dumps(result, indent=1))
     return 0
 
