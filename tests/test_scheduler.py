@@ -302,6 +302,16 @@ def test_replay_counts_tokens_and_costs_of_each_policy():
     assert k3 == pytest.approx(24 / (6 * 17.0))
     (k1,) = replay([rec], 1, verify, widths)  # width 2: 2 tokens for 12 + 2 ms
     assert k1 == pytest.approx(24 / (12 * 14.0))
+    # the oracle verifies exactly the accepted drafts: 3 of them need width 4 (no width 3 here)
+    (oracle,) = replay([rec], "oracle", verify, widths)
+    assert oracle == pytest.approx(k3)
+    # none accepted at the first position, then 1 at every later one: the oracle's first round
+    # is a width-1 pass after drafting (1 token, 12 ms), the fixed length's a width-2 one (14 ms)
+    mixed = {**rec, "acc": [0] + [1] * 23}
+    (o,) = replay([mixed], "oracle", verify, widths)
+    (f1,) = replay([mixed], 1, verify, widths)
+    # (then eleven 2-token rounds of 14 ms, and a last plain step: no room left to draft)
+    assert o == pytest.approx(24 / (12.0 + 11 * 14.0 + 10.0)) and f1 == pytest.approx(24 / (14.0 + 11 * 14.0 + 10.0))
     sched = Scheduler(CostModel(verify, 0.0), widths, SchedulerConfig())
     (auto,) = replay([rec], sched, verify, widths)
     assert auto > plain and sched.step > 0  # confident drafts that are accepted: it speculates
