@@ -15,11 +15,16 @@ its inputs and reason.
 
 The confidence offset: a drafter's confidences are calibrated offline on held-out rounds of its
 training distribution, and a workload it drafts better or worse for shifts them (measured:
-docs/notes/, "DSpark drafter"). The scheduler therefore shifts every confidence in logit space by one offset δ, c' = σ(logit c + δ), and
-after each verified round moves δ by ``online_calibration`` × (y − c') for every verified draft
-up to the first rejection (y = 1 accepted, 0 rejected): a stochastic gradient step on the
-log-loss of the conditional acceptance. δ depends only on past rounds, so the width choice of a
-round still never looks at its own draws. Drafters whose confidences are observed acceptance
+docs/notes/, "DSpark drafter"). The scheduler therefore shifts each confidence in logit space by
+an offset of its draft position, c'_j = σ(logit c_j + δ_j), and after each verified round moves
+δ_j by ``online_calibration`` × (y_j − c'_j) for every verified draft j up to the first rejection
+(y = 1 accepted, 0 rejected): a stochastic gradient step on the log-loss of the conditional
+acceptance at that position. One offset per position because a workload unlike the drafter's
+training data shifts the positions unequally (the DSpark drafter on prompts unlike its training
+answers: δ about −0.6 for the first draft and −0.1 for the second), and one shared offset then
+over-trusts some positions and under-trusts others (docs/performance.md, "An offset per draft
+position"). Positions past ``OFFSET_POSITIONS`` share the last one's. δ depends only on past
+rounds, so the width choice of a round still never looks at its own draws. Drafters whose confidences are observed acceptance
 rates of the generation itself (the n-gram drafter's ``observed_confidence``) are neither
 shifted nor counted: the pipeline passes ``shift=False`` and skips ``observe_acceptance``.
 
@@ -118,15 +123,21 @@ def choose_multi(confidences: Sequence[np.ndarray], cost_of_total, max_total: in
     return admitted
 
 
-def shifted(confidence, offset: float) -> np.ndarray:
-    """Confidences shifted by ``offset`` in logit space, σ(logit c + offset) (the scheduler's
-    online offset; a drafter comparing its own sources applies it the same way)."""
-    if offset == 0.0:
+OFFSET_POSITIONS = 16  # draft positions with an online confidence offset of their own
+
+
+def shifted(confidence, offset: float | Sequence[float]) -> np.ndarray:
+    """Confidences shifted in logit space, σ(logit c_j + δ_j) (the scheduler's online offsets; a
+    drafter comparing its own sources applies them the same way). ``offset``: one δ for every
+    position, or one per position (positions past its end take its last)."""
+    per = None if isinstance(offset, (int, float)) else tuple(offset)
+    if (per is None and offset == 0.0) or (per is not None and not any(per)):
         return np.asarray(confidence, dtype=np.float64)
     out = []
-    for x in confidence:  # a few numbers: plain floats are cheaper than numpy here
+    for j, x in enumerate(confidence):  # a few numbers: plain floats are cheaper than numpy here
         c = min(max(float(x), 1e-6), 1.0 - 1e-6)
-        out.append(1.0 / (1.0 + math.exp(-(math.log(c / (1.0 - c)) + offset))))
+        d = offset if per is None else per[min(j, len(per) - 1)]
+        out.append(1.0 / (1.0 + math.exp(-(math.log(c / (1.0 - c)) + d))))
     return np.asarray(out, dtype=np.float64)
 
 
@@ -270,7 +281,8 @@ class Decision:
     cpu_other_percent: float
     correction: float
     survival: tuple[float, ...] = field(default=())  # after the confidence offset
-    confidence_offset: float = 0.0  # δ added to every confidence's logit this round
+    confidence_offset: float = 0.0  # δ_1, added to the first confidence's logit this round
+    confidence_offsets: tuple[float, ...] = field(default=())  # δ_j of each draft position this round
 
 
 class Scheduler:
@@ -287,7 +299,7 @@ class Scheduler:
         self._probing = False  # this round drafts because it is a probe of the closed gate
         self.spec_rate: float | None = None  # tokens per ms of recent speculative rounds
         self._spec_rounds = 0
-        self.offset = 0.0  # the online confidence offset δ (logits)
+        self.offsets = np.zeros(OFFSET_POSITIONS)  # the online confidence offsets δ_j (logits) by draft position
         self._declined = 0  # rounds in a row whose offered drafts were all declined
         self._explore_after = self.config.explore_every  # declined rounds before the next explore
         self._explored = False  # this round verifies a draft only to explore
@@ -377,13 +389,24 @@ class Scheduler:
             c *= 1.0 + self.config.energy_bias * (w - 1)
         return c
 
+    @property
+    def offset(self) -> float:
+        """The first draft position's online offset δ_1 (each position has its own: ``offsets``)."""
+        return float(self.offsets[0])
+
+    @offset.setter
+    def offset(self, value: float) -> None:
+        """Set every position's offset to ``value``."""
+        self.offsets[:] = value
+
     def adjusted(self, confidence: np.ndarray) -> np.ndarray:
-        """The drafter's confidences shifted by the online offset: σ(logit c + δ)."""
-        return shifted(confidence, self.offset)
+        """The drafter's confidences shifted by the online offsets: σ(logit c_j + δ_j)."""
+        return shifted(confidence, self.offsets)
 
     def observe_acceptance(self, confidence: np.ndarray, accepted: int) -> None:
         """A verified round: the drafter's confidences for the drafts it verified (before the
-        offset) and how many were accepted. Moves the offset toward what was observed."""
+        offsets) and how many were accepted. Moves each verified position's offset, up to the
+        first rejection, toward what was observed there."""
         lr = self.config.online_calibration
         if lr <= 0.0:
             return
@@ -393,7 +416,10 @@ class Scheduler:
             return
         y = (np.arange(n) < accepted).astype(np.float64)
         bound = self.config.max_offset
-        self.offset = float(np.clip(self.offset + lr * float((y - c[:n]).sum()), -bound, bound))
+        m = min(n, OFFSET_POSITIONS)
+        self.offsets[:m] = np.clip(self.offsets[:m] + lr * (y[:m] - c[:m]), -bound, bound)
+        if n > m:  # the positions past the last share its offset
+            self.offsets[-1] = float(np.clip(self.offsets[-1] + lr * float((y[m:] - c[m:]).sum()), -bound, bound))
 
     def decide(self, confidence: np.ndarray, snap: Snapshot | None, shift: bool = True, source: str | None = None) -> Decision:
         """The verify width for drafts with these calibrated confidences, shifted by the online
@@ -432,7 +458,8 @@ class Scheduler:
                        "confidence estimates learning")
         d = Decision(self.step, mode, width, k, value, why, snap.max_temp_c, snap.throttling,
                      snap.mem_available_mb, snap.cpu_other_percent, self.costs.correction(width),
-                     tuple(_survival(confidence)[1]), self.offset if use else 0.0)
+                     tuple(_survival(confidence)[1]), self.offset if use else 0.0,
+                     tuple(round(float(x), 4) for x in self.offsets[:max(k, 1)]) if use else ())
         self.decisions.append(d)
         return d
 

@@ -33,12 +33,13 @@ class Yardstick:
     """A round's worth in expected tokens per millisecond, by the scheduler's rule: a round that
     verifies drafts with survivals a_1..a_{w-1} at width w after ``spent_ms`` of drafting is
     worth (1 + Σ a_j) / (spent_ms + cost(w)). ``cost``: the pass ms per listed width as the
-    cost model has it now; ``offset``: the online confidence offset (logits) the scheduler will
-    add to confidences calibrated elsewhere."""
+    cost model has it now; ``offset``: the online confidence offsets (logits; one for every
+    position, or one per draft position) the scheduler will add to confidences calibrated
+    elsewhere."""
 
     cost: Callable[[int], float]
     widths: tuple[int, ...]
-    offset: float = 0.0
+    offset: float | tuple[float, ...] = 0.0
 
     def shifted(self, confidence) -> np.ndarray:
         """Confidences as the scheduler will see them (the online offset added)."""
@@ -131,7 +132,7 @@ class Scheduled:
         return self.scheduler.memory_low
 
     def yardstick(self, widths):
-        return Yardstick(self.scheduler.costs.verify, tuple(widths), self.scheduler.offset)
+        return Yardstick(self.scheduler.costs.verify, tuple(widths), tuple(float(d) for d in self.scheduler.offsets))
 
     def wants_draft(self, snap: Snapshot | None) -> bool:
         return self.scheduler.wants_draft(snap)

@@ -315,9 +315,10 @@ def test_replay_counts_tokens_and_costs_of_each_policy():
     sched = Scheduler(CostModel(verify, 0.0), widths, SchedulerConfig())
     (auto,) = replay([rec], sched, verify, widths)
     assert auto > plain and sched.step > 0  # confident drafts that are accepted: it speculates
-    # 0.9 said, 3 of 7 accepted: the offset learns from head confidences and, as in the
-    # pipeline, not from a drafter's observed rates.
-    assert sched.offset < 0
+    # 0.9 said, 3 of 7 accepted: each position's offset learns from head confidences (up for
+    # the three always accepted, down for the fourth, always rejected; none past the first
+    # rejection) and, as in the pipeline, not from a drafter's observed rates.
+    assert all(sched.offsets[:3] > 0) and sched.offsets[3] < 0 and not sched.offsets[4:].any()
     observed = Scheduler(CostModel(verify, 0.0), widths, SchedulerConfig())
     replay([{**rec, "observed_confidence": True}], observed, verify, widths)
     assert observed.step > 0 and observed.offset == 0.0
