@@ -9,7 +9,7 @@ The scan only uses what is known before a draft is drawn: c_j depends on x_{j-1}
 x_j. Where the listed widths skip (e.g. 4 → 6), the jump is judged from the survivals up to the
 current width, extended with the last conditional c, so admitting x_4 never depends on x_4.
 
-Then ``Scheduler``: small state (online cost correction, an online confidence offset,
+Then ``Scheduler``: small state (online cost correction, online confidence offsets by draft position,
 thermal/memory modes with hysteresis, probes while parked) and a record of every decision with
 its inputs and reason.
 
@@ -159,7 +159,7 @@ class SchedulerConfig:
     probe_weight: float = 0.25  # weight of a probe round (it stands for the probe_every rounds the gate skipped)
     max_record: int = 1024  # decisions kept in memory (a trace keeps them all: dspark_edge.metrics)
     online_calibration: float = 0.1  # step size of the online confidence offset (0: confidences as given)
-    max_offset: float = 3.0  # the offset stays within ± this (logits)
+    max_offset: float = 3.0  # every offset stays within ± this (logits)
     explore_every: int = 16  # drafts offered and declined this many rounds in a row: verify one (0: never)
     explore_every_max: int = 256  # ... doubling after each explored draft rejected, up to this
 
