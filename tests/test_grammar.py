@@ -209,18 +209,26 @@ def _masked_joint(pipe, prompt_ids, grammar, depth, top_k):
     return out
 
 
-def test_rejection_sampling_under_a_grammar_follows_the_masked_distribution(tiny_engine, tiny_draft_poor):
+@pytest.mark.parametrize("drafter", ["poor", "self", "dspark"])
+def test_rejection_sampling_under_a_grammar_follows_the_masked_distribution(request, tiny_engine, drafter):
+    """With a draft model (drafting without the grammar: its refused drafts are rejected in the
+    pass), the INT8 copy and the DSpark drafter (both drawing under the grammar)."""
     from test_speculative_tiny import _chi2_rejects
 
+    engine, name = tiny_engine, drafter
+    if drafter == "poor":
+        name = request.getfixturevalue("tiny_draft_poor")
+    elif drafter == "dspark":
+        engine = request.getfixturevalue("tiny_with_drafter")[0]
     grammar = Grammar.regex(r"[a-z]+ [a-z]+ [a-z]+")
     prompt = "The quick brown fox The quick brown"
-    pipe = dspark_edge.load(tiny_engine, scheduler=False, drafter=tiny_draft_poor)
+    pipe = dspark_edge.load(engine, scheduler=False, drafter=name)
     drafted = sum(pipe.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=4, seed=s, grammar=grammar,
-                                ignore_eos=True).stats.draft_n for s in range(20))
+                                ignore_eos=True, draft_tokens=2).stats.draft_n for s in range(20))
     assert drafted > 0
     exact = _masked_joint(pipe, pipe.encode_prompt(prompt), grammar, 3, 4)
     assert all(re.fullmatch(r"[a-z ]+", pipe.tokenizer.decode(list(k))) for k in exact)
-    assert not _chi2_rejects(pipe, prompt, exact, 2000, 4, grammar=grammar)
+    assert not _chi2_rejects(pipe, prompt, exact, 2000, 4, grammar=grammar, draft_tokens=2)
 
 
 def test_bad_grammars_are_config_errors_that_name_the_problem(monkeypatch):
@@ -263,19 +271,6 @@ def test_the_self_drafters_copy_drafts_under_the_grammar(plain, tiny_engine):
     assert all(r.drafted == r.drafting["copied"] for r in copied)  # not one of the copy's drafts refused
 
 
-def test_rejection_sampling_under_a_grammar_with_the_copy_drafting_under_it(tiny_engine):
-    from test_speculative_tiny import _chi2_rejects
-
-    grammar = Grammar.regex(r"[a-z]+ [a-z]+ [a-z]+")
-    prompt = "The quick brown fox The quick brown"
-    pipe = dspark_edge.load(tiny_engine, scheduler=False, drafter="self")
-    drafted = sum(pipe.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=4, seed=s, grammar=grammar,
-                                ignore_eos=True, draft_tokens=2).stats.draft_n for s in range(20))
-    assert drafted > 0
-    exact = _masked_joint(pipe, pipe.encode_prompt(prompt), grammar, 3, 4)
-    assert not _chi2_rejects(pipe, prompt, exact, 2000, 4, grammar=grammar, draft_tokens=2)
-
-
 class Checked:
     """A drafter whose every proposal is checked against the request's grammar rows."""
 
@@ -304,17 +299,3 @@ def test_the_dspark_drafter_drafts_under_the_grammar(plain, tiny_with_drafter):
     assert got.token_ids == want.token_ids and checked.proposals > 0
     sampled = pipe.generate(PROMPTS[0], max_new_tokens=40, grammar=grammar, draft_tokens=3, temperature=1.0, seed=3)
     assert re.fullmatch(r"[a-z]+( [a-z]+){5}", sampled.text) and checked.proposals > 1
-
-
-def test_rejection_sampling_under_a_grammar_with_dspark_drafting_under_it(tiny_with_drafter):
-    from test_speculative_tiny import _chi2_rejects
-
-    engine, _, _ = tiny_with_drafter
-    grammar = Grammar.regex(r"[a-z]+ [a-z]+ [a-z]+")
-    prompt = "The quick brown fox The quick brown"
-    pipe = dspark_edge.load(engine, scheduler=False, drafter="dspark")
-    drafted = sum(pipe.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=4, seed=s, grammar=grammar,
-                                ignore_eos=True, draft_tokens=2).stats.draft_n for s in range(20))
-    assert drafted > 0
-    exact = _masked_joint(pipe, pipe.encode_prompt(prompt), grammar, 3, 4)
-    assert not _chi2_rejects(pipe, prompt, exact, 2000, 4, grammar=grammar, draft_tokens=2)
