@@ -248,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("--passages", type=Path, default=None,
                     help="with --tasks: an answers file whose answers' first paragraphs the passage tasks "
                          "summarise, rewrite or explain (default: none, templated tasks only)")
+    da.add_argument("--openers", action="store_true",
+                    help="self-written user messages begin with an opening the target continues (\"Write a short "
+                         "story about\", \"Why is\", \"Summarise this:\", ...), spread over the kinds of request "
+                         "people make; a work folder is made with or without them")
     da.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: %(default)s)")
     da.add_argument("--batch", type=int, default=32, help="prompts per batched pass (default: %(default)s)")
     da.add_argument("--per-shard", type=int, default=256, help="prompts per resumable shard (default: %(default)s)")
@@ -367,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             run(DataOptions(target_engine=args.target, work=args.work, answers=args.answers, output=args.output,
                             pack_first=args.pack_first, prompts=args.prompts,
                             copy_prompts=args.copy_prompts, tasks=args.tasks, passages=args.passages,
-                            max_new_tokens=args.max_new_tokens, batch=args.batch,
+                            openers=args.openers, max_new_tokens=args.max_new_tokens, batch=args.batch,
                             threads=args.threads, seed=args.seed, per_shard=args.per_shard, backend=args.backend,
                             device=args.device, source=args.source), progress)
             return 0

@@ -25,7 +25,11 @@ Prompts, in this order (none of them the benchmark prompts, ``dspark_edge/data/p
   "Magpie: Alignment Data Synthesis from Scratch by Prompting Aligned LLMs with Nothing").
   A message is kept when it ended by itself, holds 3-120 words of mostly plain text, carries no
   special-token text, is new (case and spacing folded) and shares at most half its words with
-  any benchmark prompt.
+  any benchmark prompt. With ``--openers`` each batch's messages begin with an opening drawn from
+  ``drafter/prompts.py``'s ``MESSAGE_OPENERS`` ("Write a short story about", "Why is",
+  "Summarise this:", …) that the target continues, so they spread over the kinds of request
+  people make rather than the open requests unseeded messages mostly are (recorded with the
+  opening, kind ``magpie``).
 
 The work folder:
 
@@ -87,6 +91,7 @@ class DataOptions:
     batch: int = 32
     per_shard: int = 256
     magpie_tokens: int = 96  # the cap of a self-written user message
+    openers: bool = False  # self-written messages begin with an opening from MESSAGE_OPENERS
     temperature: float = 1.0
     top_p: float = 0.95
     threads: int | None = None
@@ -491,6 +496,7 @@ def engine_identity(manifest: Manifest, engine_dir: Path, opts: DataOptions, pas
             "graph_sha256": manifest.file_entry(variant.file).sha256, "max_new_tokens": opts.max_new_tokens,
             "seed": opts.seed, "prompts": opts.prompts, "copy_prompts": opts.copy_prompts,
             **({"backend": "torch"} if opts.backend == "torch" else {}),  # genai folders predate the key
+            **({"openers": True} if opts.openers else {}),  # (and folders without openers that key)
             **({"tasks": opts.tasks, "passages_sha256": passages_digest(passages)} if opts.tasks else {})}
     # (folders without task prompts predate those keys)
 
@@ -653,13 +659,20 @@ def _magpie_batch(target: BatchedTarget | TorchTarget, tokenizer, prefix: list[i
     so a resumed run draws what an uninterrupted one would have."""
     t0 = time.perf_counter()
     seed = opts.seed * 1_000_003 + index
-    drawn = target.sample(prefix, opts.batch, opts.magpie_tokens, opts.temperature, opts.top_p, seed)
+    opener, start = None, []
+    if opts.openers:
+        from .drafter.prompts import MESSAGE_OPENERS
+
+        opener = MESSAGE_OPENERS[int(np.random.default_rng(seed).integers(len(MESSAGE_OPENERS)))]
+        start = tokenizer.encode(opener)
+    drawn = target.sample(prefix + start, opts.batch, opts.magpie_tokens, opts.temperature, opts.top_p, seed)
     out = []
     for new in drawn:
         ended = bool(new) and new[-1] in target.eos_ids
-        text = tokenizer.decode(new[:-1] if ended else new).strip()
+        text = tokenizer.decode(start + (new[:-1] if ended else new)).strip()
         if filt.keep(text, ended):
-            out.append({"kind": "magpie", "messages": [{"role": "user", "content": text}], "seed": seed})
+            out.append({"kind": "magpie", "messages": [{"role": "user", "content": text}], "seed": seed}
+                       | ({"opener": opener} if opener else {}))
     stats["magpie_drawn"] += len(drawn)
     stats["magpie_kept"] += len(out)
     stats["magpie_s"] += time.perf_counter() - t0

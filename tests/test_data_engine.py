@@ -364,3 +364,52 @@ def test_passages_need_tasks_and_an_existing_file(tiny_engine, tmp_path):
         DataOptions(target_engine=tiny_engine, work=tmp_path / "w", passages=tmp_path / "a.npz")
     with pytest.raises(ExportError, match="does not exist"):
         DataOptions(target_engine=tiny_engine, work=tmp_path / "w", tasks=4, passages=tmp_path / "a.npz")
+
+
+def test_openers_start_the_self_written_messages(tiny_engine, tmp_path):
+    """With ``openers`` the target continues an opening after the user turn's start: the message
+    is the opening and its continuation, the record names the opening, and the opening depends
+    on the prompt index alone (a resumed run draws what an uninterrupted one would)."""
+    from dataclasses import replace
+
+    from dspark_export.data_engine import _magpie_batch, user_turn_prefix
+    from dspark_export.drafter.prompts import MESSAGE_OPENERS
+
+    manifest = read_manifest(tiny_engine)
+    tok = Tokenizer.from_engine(tiny_engine, manifest)
+    tail = tok.encode(" the sea and the ships")
+
+    class Fake:
+        eos_ids = {int(manifest.tokenizer.eos_ids[0])}
+
+        def __init__(self):
+            self.prefixes = []
+
+        def sample(self, prefix, rows, max_new, temperature, top_p, seed):
+            self.prefixes.append(list(prefix))
+            return [tail + [next(iter(self.eos_ids))] for _ in range(rows)]
+
+    prefix = user_turn_prefix(tok)
+    opts = DataOptions(target_engine=tiny_engine, work=tmp_path / "w", openers=True, batch=3)
+    stats = {"magpie_drawn": 0, "magpie_kept": 0, "magpie_s": 0.0}
+    fake = Fake()
+    out = _magpie_batch(fake, tok, prefix, MessageFilter([]), opts, 40, stats)
+    opener = out[0]["opener"]
+    assert opener in MESSAGE_OPENERS and len(out) == 1  # the other two rows repeat it: duplicates
+    assert fake.prefixes[0] == prefix + tok.encode(opener)
+    assert out[0]["messages"][0]["content"] == tok.decode(tok.encode(opener) + tail).strip()
+    assert out[0]["messages"][0]["content"].startswith(opener)
+    again = _magpie_batch(Fake(), tok, prefix, MessageFilter([]), opts, 40, dict(stats))
+    assert again[0]["opener"] == opener  # the same index draws the same opening
+    openings = {_magpie_batch(Fake(), tok, prefix, MessageFilter([]), opts, i, dict(stats))[0]["opener"]
+                for i in range(0, 300, 3)}
+    assert len(openings) > 10  # spread over the list
+    plain = _magpie_batch(Fake(), tok, prefix, MessageFilter([]), replace(opts, openers=False), 40, dict(stats))
+    assert "opener" not in plain[0] and plain[0]["messages"][0]["content"] == tok.decode(tail).strip()
+    # a work folder is made with or without openers, never both
+    work = tmp_path / "work"
+    run(DataOptions(target_engine=tiny_engine, work=work, answers=2, prompts=2, copy_prompts=0, max_new_tokens=4),
+        progress=lambda s: None)
+    with pytest.raises(ExportError, match="openers differ"):
+        run(DataOptions(target_engine=tiny_engine, work=work, answers=4, prompts=2, copy_prompts=0, max_new_tokens=4,
+                        openers=True), progress=lambda s: None)

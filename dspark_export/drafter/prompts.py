@@ -269,6 +269,24 @@ PASSAGE_TASKS = PROSE_TASKS + [
 ]
 
 
+# The first words of self-written user messages (``python -m export data --openers``): the target
+# writes the rest of the message after one of these, so its messages spread over the kinds of
+# request people make of a chat model (stories, questions, explanations, advice, summaries and
+# rewrites of a text it writes in, arithmetic, code) instead of the open "help me with X" that
+# unseeded self-written messages mostly are. Generic openings only: a message that comes out near
+# a benchmark prompt is dropped by the data engine's filter.
+MESSAGE_OPENERS = (
+    "Write a short story about", "Tell me a story about", "Write a poem about", "Write a story for children about",
+    "Describe", "Why do", "Why is", "How does", "How do", "What causes", "What is the difference between",
+    "What is", "Explain", "Can you explain", "What are the benefits of", "Is it true that",
+    "Hi!", "Hello! I", "I feel", "Can you recommend", "Any tips for", "I want to", "What should I",
+    "Summarise this:", "Summarize the following text:", "Give a short summary of this:", "Rewrite this more simply:",
+    "Translate into plain English:", "A shop sells", "If a train", "Solve", "How many", "Calculate",
+    "Write a Python function that", "Write a function in JavaScript that", "What does this code do?",
+    "Fix the bug in this code:", "Write an email to", "Make a list of", "Compare",
+)
+
+
 def answer_passages(texts, lo: int = 200, hi: int = 800) -> list[str]:
     """The first plain-prose paragraph of ``lo``–``hi`` characters of each text (the target's
     earlier answers), at most one per text, in the texts' order."""
