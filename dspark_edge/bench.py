@@ -181,7 +181,8 @@ def bench_compare(pipe: Pipeline, prompts: list[dict], variants: list[tuple[str,
         sched = twins[id(drafter)].scheduler
         if sched is not None and "draft_tokens" not in overrides:
             summary[name]["scheduler"] = {"draft_ms": round(sched.costs.draft_ms, 3),
-                                          "confidence_offset": round(sched.offset, 3), "gated": sched.gated}
+                                          "confidence_offsets": [round(float(d), 3) for d in sched.offsets[:8]],
+                                          "gated": sched.gated}
     for twin in twins.values():
         twin.close()
     report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "passes": passes,

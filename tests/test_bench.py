@@ -107,7 +107,7 @@ class _Result:
 class _Sched:
     def __init__(self):
         self.costs = type("C", (), {"draft_ms": 0.0})()
-        self.offset, self.gated, self.rounds = 0.0, False, 0
+        self.offsets, self.gated, self.rounds = [0.0] * 16, False, 0
 
 
 class _FakePipe:
@@ -148,5 +148,6 @@ def test_each_drafter_keeps_its_own_scheduler():
     assert pipe.scheduler is first and first.rounds == 0  # the pipeline's own is left as it was
     assert pipe.drafter is own and not any(d is own for d, _, _ in pipe.calls)  # and so is its drafter
     assert len(pipe.twins) == 3 and all(t.closed for t in pipe.twins)  # one per drafter (plain too), closed
-    assert set(report["variants"]["a auto"]["scheduler"]) == {"draft_ms", "confidence_offset", "gated"}
+    assert set(report["variants"]["a auto"]["scheduler"]) == {"draft_ms", "confidence_offsets", "gated"}
+    assert report["variants"]["a auto"]["scheduler"]["confidence_offsets"] == [0.0] * 8
     assert "scheduler" not in report["variants"]["a k=1"]
