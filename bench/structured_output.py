@@ -54,9 +54,9 @@ PROMPTS = [
 
 
 class GrammarClock:
-    """Seconds spent in ``Constraint``'s masks, their application and its steps while installed."""
+    """Seconds spent in ``Constraint``'s masks (the pass's and a drafter's), their application and its steps while installed."""
 
-    NAMES = ("masks", "apply", "take")
+    NAMES = ("masks", "apply", "take", "allowed_after")
 
     def __init__(self) -> None:
         self.s = 0.0
