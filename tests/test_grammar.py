@@ -211,8 +211,7 @@ def _masked_joint(pipe, prompt_ids, grammar, depth, top_k):
 
 @pytest.mark.parametrize("drafter", ["poor", "self", "dspark"])
 def test_rejection_sampling_under_a_grammar_follows_the_masked_distribution(request, tiny_engine, drafter):
-    """With a draft model (drafting without the grammar: its refused drafts are rejected in the
-    pass), the INT8 copy and the DSpark drafter (both drawing under the grammar)."""
+    """With a draft model, the INT8 copy and the DSpark drafter, each drawing under the grammar."""
     from test_speculative_tiny import _chi2_rejects
 
     engine, name = tiny_engine, drafter
@@ -289,10 +288,14 @@ class Checked:
         return draft
 
 
-def test_the_dspark_drafter_drafts_under_the_grammar(plain, tiny_with_drafter):
-    engine, _, _ = tiny_with_drafter
+@pytest.mark.parametrize("drafter", ["dspark", "draft model"])
+def test_the_dspark_drafter_and_draft_models_draft_under_the_grammar(request, plain, tiny_engine, drafter):
+    if drafter == "dspark":
+        engine, name = request.getfixturevalue("tiny_with_drafter")[0], "dspark"
+    else:
+        engine, name = tiny_engine, request.getfixturevalue("tiny_draft_poor")
     grammar = Grammar.regex(r"[a-z]+( [a-z]+){5}")
-    pipe = dspark_edge.load(engine, scheduler=False, drafter="dspark")
+    pipe = dspark_edge.load(engine, scheduler=False, drafter=name)
     pipe.drafter = checked = Checked(pipe.drafter)
     want = plain.generate(PROMPTS[0], max_new_tokens=40, grammar=grammar)
     got = pipe.generate(PROMPTS[0], max_new_tokens=40, grammar=grammar, draft_tokens=3)

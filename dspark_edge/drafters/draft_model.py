@@ -2,7 +2,8 @@
 engine folder (``python -m export draft-model``), run autoregressively with its own KV cache.
 
 Each round feeds the committed tokens it has not seen, then drafts k tokens one at a time
-(greedy, or sampled from q_i filtered exactly like the target's p_i). After feedback its
+(greedy, or sampled from q_i filtered exactly like the target's p_i; under a grammar, from the
+tokens it allows after the drafts before, ``DraftRequest.allowed``). After feedback its
 cache is rolled back to the longest prefix that matches the committed context.
 """
 
@@ -19,7 +20,7 @@ from ..decoder import DecoderModel
 from ..errors import EngineError
 from ..manifest import Manifest, read_manifest, verify_role_files
 from ..sampling import coupled_pick, greedy_top, probs, sample
-from .base import AcceptanceTracker, BaseDrafter, Draft, DraftRequest
+from .base import AcceptanceTracker, BaseDrafter, Draft, DraftRequest, masked
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,11 @@ class DraftModelDrafter(BaseDrafter):
         greedy = request.temperature == 0.0
         tokens, qs, conf = [], [], []
         for i in range(k):
+            if request.allowed is not None:  # under a grammar: draw from what it allows after the drafts so far
+                row = request.allowed(tokens)
+                if row is None:  # the drafts end the answer
+                    break
+                logits = masked(logits, row)
             # The confidence is the model's top probability, known before the draw: a width chosen
             # from the probability of the token actually drawn would depend on that draw, and the
             # sampled output would no longer follow the target (scheduler.py).
@@ -109,6 +115,9 @@ class DraftModelDrafter(BaseDrafter):
                 self._cache.commit(1)
                 self._tokens.append(x)
         # Blend the model's own probability with what has actually been accepted per position.
+        k = len(tokens)
+        if k == 0:
+            return Draft.empty()
         observed = self.stats.confidence(k)
         confidence = np.sqrt(np.asarray(conf) * observed)
         return Draft(np.asarray(tokens, dtype=np.int64), np.stack(qs) if qs else None, confidence)

@@ -95,7 +95,7 @@ from ..sampling import coupled_pick, greedy_margin, probs, sample, top_margin
 from ..scheduler import CostModel
 from ..verify import judged
 from ..widths import Yardstick, expected_accepted
-from .base import BaseDrafter, Draft, DraftRequest
+from .base import BaseDrafter, Draft, DraftRequest, masked
 
 log = logging.getLogger(__name__)
 
@@ -509,14 +509,6 @@ class SelfDrafter(BaseDrafter):
         for i in range(judged(len(bins), accepted)):
             self.tried[bins[i]] += 1
             self.accepted[bins[i]] += i < accepted
-
-
-def masked(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """``logits`` with the tokens ``allowed`` refuses at -inf (ids past its end refused too)."""
-    keep = np.zeros(logits.shape[0], dtype=bool)
-    n = min(keep.shape[0], allowed.shape[0])
-    keep[:n] = allowed[:n]
-    return np.where(keep, logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)
 
 
 def guesses_judged(guessed: int, agreed: int, drafted: int, accepted: int) -> tuple[int, int]:
