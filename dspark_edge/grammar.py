@@ -189,13 +189,15 @@ class Constraint:
         return row
 
     def _mask_after(self, key: tuple[int, ...]) -> np.ndarray | None:
-        if key and (key[:-1] in self._ahead and self._ahead[key[:-1]] is None):
-            return None
+        if not key:
+            return self._mask()
+        before = self.allowed_after(key[:-1])  # (cached: a drafter asks prefix by prefix)
+        if before is None or key[-1] in self._eos or not before[key[-1]]:
+            return None  # checked first: the matcher is never handed a token the grammar refuses
         taken = 0
         try:
             for d in key:
-                if d in self._eos or not self._matcher.consume_token(d):
-                    return None
+                self._consume(d)
                 taken += 1
             return self._mask()
         finally:

@@ -302,3 +302,27 @@ def test_the_dspark_drafter_and_draft_models_draft_under_the_grammar(request, pl
     assert got.token_ids == want.token_ids and checked.proposals > 0
     sampled = pipe.generate(PROMPTS[0], max_new_tokens=40, grammar=grammar, draft_tokens=3, temperature=1.0, seed=3)
     assert re.fullmatch(r"[a-z]+( [a-z]+){5}", sampled.text) and checked.proposals > 1
+
+
+def test_rows_after_drafts_refuse_what_follows_a_refused_or_final_draft(plain):
+    """``Constraint.allowed_after``: the row after allowed drafts, None after a draft the grammar
+    refuses or an end-of-turn draft (the matcher is never handed either), and the walk left where
+    it was, so the pass's masks after it are the ones a fresh walk gives."""
+    from dspark_edge.grammar import Constraint
+
+    vocab = plain.manifest.model.vocab_size
+    tokens = plain.tokenizer.grammar_tokens(vocab, plain.eos_ids)
+    grammar = Grammar.regex(r"[0-9]{3}")
+    digit = next(i for i in range(vocab) if plain.tokenizer.decode([i]) == "7")
+    letter = next(i for i in range(vocab) if plain.tokenizer.decode([i]) == "x")
+    eos = next(iter(plain.eos_ids))
+    c = Constraint(grammar, tokens, vocab)
+    first = c.allowed_after(())
+    assert first[digit] and not first[letter]
+    assert c.allowed_after([letter]) is None and c.allowed_after([letter, digit]) is None
+    assert c.allowed_after([digit, digit, digit])[eos]  # complete: the end of turn is allowed
+    assert c.allowed_after([digit, digit, digit, eos]) is None
+    fresh = Constraint(grammar, tokens, vocab)
+    assert np.array_equal(c.masks([digit, digit])[2], fresh.masks([digit, digit])[2])
+    c.take([digit])  # the position moves: rows are computed afresh from there
+    assert c.allowed_after([digit, digit])[eos] and not c.allowed_after([digit])[eos]
