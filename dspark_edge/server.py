@@ -813,7 +813,7 @@ async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str
     try:
         if chat:
             yield chunk(None, None, first=True)
-        answer, held_logprobs, called = AnswerStream(), [], False  # with tools: the JSON read so far
+        answer, held_logprobs = AnswerStream(), []  # with tools: the JSON read so far
         while True:
             ev = await next_event(request, job)
             if ev is None:
@@ -822,7 +822,6 @@ async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str
             if kind == "piece" and tools:
                 held_logprobs += payload[1] or []
                 for out in answer.feed(payload[0]):
-                    called |= out[0] != "content"
                     yield _tools_chunk(chunk, out, held_logprobs)
                     held_logprobs = []
             elif kind == "piece":
@@ -838,8 +837,7 @@ async def _sse(request, job: Job, rid: str, created: int, chat: bool, model: str
                     result, rest = payload
                     if tools:
                         # an answer cut before it said what it is: its raw text, as ``reply`` gives it
-                        raw = answer.raw if answer.kind is None else None
-                        yield chunk(raw, _finish(result, called),
+                        yield chunk(answer.unread, _finish(result, answer.called),
                                     logprobs=held_logprobs + (rest or []))
                     else:
                         yield chunk(None, FINISH.get(result.stop_reason, "stop"), logprobs=rest)

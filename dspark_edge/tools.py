@@ -163,13 +163,11 @@ def reply(text: str) -> tuple[str | None, list[dict] | None]:
     plain answer's text so far; one cut before either is returned as its raw text."""
     stream = AnswerStream()
     stream.feed(text)
-    calls = [c for c in stream.calls if c["name"] is not None]
-    if calls:
+    if stream.called:
         return None, [{"id": call_id(), "type": "function",
-                       "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
-    if stream.kind == "response":
-        return stream.content, None
-    return text, None
+                       "function": {"name": c["name"], "arguments": c["arguments"]}}
+                      for c in stream.calls if c["name"] is not None]
+    return (stream.content if stream.unread is None else stream.unread), None
 
 
 def call_id() -> str:
@@ -203,6 +201,17 @@ class AnswerStream:
         self._string_from = 0  # where the string being read starts (after its quote)
         self._args: tuple[int, int, int] | None = None  # (call, depth, start) while its arguments are read
         self._sent: list[int] = []  # per call: how much of its arguments was sent
+
+    @property
+    def called(self) -> bool:
+        """Whether a call's name has been read (the answer is tool calls)."""
+        return any(c["name"] is not None for c in self.calls)
+
+    @property
+    def unread(self) -> str | None:
+        """The raw text of an answer that has said neither a plain answer nor a named call (one
+        cut short before either): what a client is given of it at the end; None otherwise."""
+        return None if self.kind == "response" or self.called else self.raw
 
     def feed(self, text: str) -> list[tuple]:
         self.raw += text

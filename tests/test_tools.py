@@ -73,6 +73,10 @@ def test_an_answer_cut_short_gives_what_it_holds():
     assert content is None and calls[0]["function"]["name"] == "weather"
     assert calls[0]["function"]["arguments"] == cut[cut.index('{"city"'):]
     assert reply('{"tool_calls":[{"na') == ('{"tool_calls":[{"na', None)  # no call named yet: the raw text
+    stream, events = fed('{"tool_calls":[{"na', 3)  # and a stream gives the same at its end
+    assert events == [] and not stream.called and stream.unread == '{"tool_calls":[{"na'
+    named, _ = fed('{"tool_calls":[{"name":"f","arg', 3)
+    assert named.called and named.unread is None
     assert reply('{"resp') == ('{"resp', None)
     assert reply("") == ("", None)
     # cut inside an escape: nothing half-decoded comes out
