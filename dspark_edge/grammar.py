@@ -246,9 +246,14 @@ class Constraint:
 
     @staticmethod
     def apply(logits: np.ndarray, masks: np.ndarray) -> np.ndarray:
-        """``logits`` rows [n, V] with every token their mask row refuses at -inf (a new array)."""
-        n = logits.shape[0]
-        return np.where(masks[:n, :logits.shape[1]], logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+        """``logits`` rows [n, V] with every token their mask row refuses at -inf (a new array);
+        ids past the mask rows' end are refused too (a draft model's logits may be wider than
+        the target's vocabulary)."""
+        n, width = logits.shape
+        keep = masks[:n, :width]
+        if keep.shape[1] < width:
+            keep = np.pad(keep, ((0, 0), (0, width - keep.shape[1])))
+        return np.where(keep, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
 
     def take(self, tokens) -> None:
         """Advance past ``tokens``, chosen under this grammar's masks (up to an end-of-turn

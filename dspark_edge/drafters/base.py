@@ -25,15 +25,6 @@ from ..verify import judged
 from ..widths import Yardstick
 
 
-def masked(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """``logits`` with the tokens ``allowed`` (a row of ``DraftRequest.allowed``) refuses at -inf (ids
-    past its end refused too): what a drafter drawing under a grammar draws from."""
-    keep = np.zeros(logits.shape[0], dtype=bool)
-    n = min(keep.shape[0], allowed.shape[0])
-    keep[:n] = allowed[:n]
-    return np.where(keep, logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)
-
-
 @dataclass
 class Draft:
     """One proposal. Besides the drafts: ``source``, which of a drafter's sources drafted them

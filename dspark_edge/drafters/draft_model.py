@@ -18,9 +18,10 @@ import numpy as np
 from ..backends import BackendOptions
 from ..decoder import DecoderModel
 from ..errors import EngineError
+from ..grammar import Constraint
 from ..manifest import Manifest, read_manifest, verify_role_files
 from ..sampling import coupled_pick, greedy_top, probs, sample
-from .base import AcceptanceTracker, BaseDrafter, Draft, DraftRequest, masked
+from .base import AcceptanceTracker, BaseDrafter, Draft, DraftRequest
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class DraftModelDrafter(BaseDrafter):
                 row = request.allowed(tokens)
                 if row is None:  # the drafts end the answer
                     break
-                logits = masked(logits, row)
+                logits = Constraint.apply(logits[None], row[None])[0]
             # The confidence is the model's top probability, known before the draw: a width chosen
             # from the probability of the token actually drawn would depend on that draw, and the
             # sampled output would no longer follow the target (scheduler.py).

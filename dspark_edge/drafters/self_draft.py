@@ -90,12 +90,13 @@ import numpy as np
 from ..backends import BackendOptions
 from ..decoder import DecoderModel
 from ..errors import ConfigError, EngineError
+from ..grammar import Constraint
 from ..manifest import Manifest, verify_role_files
 from ..sampling import coupled_pick, greedy_margin, probs, sample, top_margin
 from ..scheduler import CostModel
 from ..verify import judged
 from ..widths import Yardstick, expected_accepted
-from .base import BaseDrafter, Draft, DraftRequest, masked
+from .base import BaseDrafter, Draft, DraftRequest
 
 log = logging.getLogger(__name__)
 
@@ -387,7 +388,7 @@ class SelfDrafter(BaseDrafter):
             tokens it allows there: ``open_()`` was checked); its confidence is set before the draw."""
             nonlocal survival, expected, last_c
             if request.allowed is not None:
-                logits = masked(logits, request.allowed(tokens))
+                logits = Constraint.apply(logits[None], request.allowed(tokens)[None])[0]
             if greedy:
                 x, margin = greedy_margin(logits)
                 b, c = self._confidence(margin)
