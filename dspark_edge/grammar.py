@@ -211,8 +211,11 @@ class Constraint:
         allowed tokens of pass rows 0..n + len(more) (row i after the i tokens before it). An
         end-of-turn draft is the last one kept (nothing after it is read: its row repeats the one
         before). The matcher is left where it was."""
-        ahead = self._ahead
-        rows = [ahead[()] if ahead.get(()) is not None else self._mask()]
+        def row(prefix: tuple[int, ...]) -> np.ndarray:  # a drafter's row of it when there is one
+            known = self._ahead.get(prefix)
+            return known if known is not None else self._mask()
+
+        rows = [row(())]
         taken, ended, prefix = 0, False, ()
         for d in drafts:
             d = int(d)
@@ -225,8 +228,7 @@ class Constraint:
             self._consume(d)
             taken += 1
             prefix += (d,)
-            known = ahead.get(prefix)
-            rows.append(known if known is not None else self._mask())
+            rows.append(row(prefix))
         n, more = len(rows) - 1, []
         if forced > 0 and n == len(drafts) and not ended:
             for t in self._matcher.compute_ff_tokens()[:forced]:

@@ -284,15 +284,16 @@ class DSparkDrafter(BaseDrafter):
         greedy = request.temperature == 0.0
         qs: list[np.ndarray] = []
         drawn: list[int] = []  # the drafts so far, as target ids (under a grammar)
-        open_ = [k]  # under a grammar: how many drafts can be kept (those before one it ends or bars)
+        kept = k  # under a grammar: how many drafts can be kept (those before one it ends or bars)
 
         def choose(j: int, logits: np.ndarray, cand: np.ndarray | None) -> int:
+            nonlocal kept
             if request.allowed is not None:
                 ids = self.vocab_ids if cand is None else self.vocab_ids[cand]
-                row = request.allowed(drawn) if j < open_[0] else None
+                row = request.allowed(drawn) if j < kept else None
                 keep = None if row is None else row[ids]
                 if keep is None or not keep.any():  # no draft of this vocabulary can follow here
-                    open_[0] = min(open_[0], j)
+                    kept = min(kept, j)
                     return 0  # a placeholder, cut below
                 logits = np.where(keep, logits, np.float32(-np.inf))
                 picked = self._choose(j, logits, cand, greedy, request, qs, rng)
@@ -305,8 +306,7 @@ class DSparkDrafter(BaseDrafter):
                                  self.conf_b, choose, self.markov_top_k, anchor_row)
         conf = sigmoid(z / self.temperatures[:k] + self.biases[:k])
         self._note_round(block, (time.perf_counter() - t0) * 1e3, conf, request.yardstick)
-        n = open_[0]
-        return Draft(self.vocab_ids[idx[:n]], np.stack(qs[:n]) if qs[:n] else None, conf[:n])
+        return Draft(self.vocab_ids[idx[:kept]], np.stack(qs[:kept]) if qs[:kept] else None, conf[:kept])
 
     def _choose(self, j: int, logits: np.ndarray, cand: np.ndarray | None, greedy: bool, request: DraftRequest,
                 qs: list, rng: np.random.Generator) -> int:
