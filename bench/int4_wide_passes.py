@@ -69,6 +69,13 @@ def main() -> int:
     if None not in drafters:
         drafters.insert(0, None)  # FP32 plain decoding is the reference
     modes: dict[str, dspark_edge.Pipeline] = {}
+    curves: dict[str, dict[int, float]] = {}  # pass ms by width, measured once per kind of pass
+
+    def curve(key: str, model) -> dict[int, float]:
+        if key not in curves:
+            curves[key] = verify_curve_ms(model, repeats=7, warmup=3)
+        return curves[key]
+
     for precision, wide in (("fp32", False), ("int4", False), ("int4", True)):
         for d in drafters:
             if wide and d is None:
@@ -77,17 +84,14 @@ def main() -> int:
             name = f"{precision}{' + fp32 wide passes' if wide else ''} {d or 'plain'}"
             if wide:
                 with_wide_passes(pipe.target, DecoderModel(pipe.manifest, args.engine, "fp32", options=options))
+                measured = curve("int4 + fp32 wide passes", pipe.target)
                 if pipe.scheduler is not None:  # plan with the pair's costs
                     cfg = pipe.scheduler.config
-                    pipe.scheduler.costs = CostModel(verify_curve_ms(pipe.target, repeats=7, warmup=3), 0.0,
-                                                     cfg.cost_window, cfg.min_observations)
+                    pipe.scheduler.costs = CostModel(measured, 0.0, cfg.cost_window, cfg.min_observations)
+            elif d is None:
+                curve(precision, pipe.target)
             modes[name] = pipe
     names = list(modes)
-    curves = {}
-    for name, pipe in modes.items():
-        if name.endswith(" plain") or "wide" in name:
-            key = "int4 + fp32 wide passes" if "wide" in name else name.split()[0]
-            curves.setdefault(key, {w: round(ms, 2) for w, ms in verify_curve_ms(pipe.target, repeats=7, warmup=3).items()})
     rates = {n: [] for n in names}
     answers = {n: [] for n in names}
     for i, rec in enumerate(load_prompts()[:args.limit]):
@@ -105,7 +109,8 @@ def main() -> int:
                         "vs_fp32_plain": round(float(np.exp(np.mean(np.log(v / base)))), 3),
                         "equal_to_fp32_plain": f"{sum(a == b for a, b in zip(answers[name], answers[ref]))}/{len(base)}"}
     print(json.dumps({"engine": args.engine, "prompts": len(base), "max_new_tokens": args.max_new_tokens,
-                      "pass_ms_by_width": curves, "modes": report}, indent=1))
+                      "pass_ms_by_width": {k: {w: round(ms, 2) for w, ms in c.items()} for k, c in curves.items()},
+                      "modes": report}, indent=1))
     return 0
 
 
