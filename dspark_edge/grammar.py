@@ -181,17 +181,17 @@ class Constraint:
         over the vocabulary, not to be written), or None where no token can follow them (one is
         refused or ends the answer). The matcher is left where it was. For a drafter drawing its
         drafts under the grammar (``DraftRequest.allowed``); ``masks`` reuses what it computed."""
-        key = tuple(int(d) for d in drafts)
-        if key in self._ahead:
-            return self._ahead[key]
-        row = self._mask_after(key)
-        self._ahead[key] = row
-        return row
+        return self._row_after(tuple(int(d) for d in drafts))
+
+    def _row_after(self, key: tuple[int, ...]) -> np.ndarray | None:
+        if key not in self._ahead:
+            self._ahead[key] = self._mask_after(key)
+        return self._ahead[key]
 
     def _mask_after(self, key: tuple[int, ...]) -> np.ndarray | None:
         if not key:
             return self._mask()
-        before = self.allowed_after(key[:-1])  # (cached: a drafter asks prefix by prefix)
+        before = self._row_after(key[:-1])  # (cached: a drafter asks prefix by prefix)
         if before is None or key[-1] in self._eos or not before[key[-1]]:
             return None  # checked first: the matcher is never handed a token the grammar refuses
         taken = 0
