@@ -173,4 +173,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from dspark_edge.cli import run_reporting_errors
+
+    sys.exit(run_reporting_errors(main))
