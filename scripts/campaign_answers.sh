@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The drafter campaign's joined answers file, rebuilt from the folders committed under drafters/
-# (drafters/README.md records each step as it was first made): runs/answers-all8.npz, 56,289
+# (drafters/README.md records each step as it was first made): runs/answers-all9.npz, 59,100
 # answers whose indices every campaign run's --data-from and held-out draw refer to. A fresh
 # machine needs it before the next run; each step's file is kept in runs/ and reused when present.
 #   bash scripts/campaign_answers.sh [ENGINE]     (default engines/smollm2-135m; exported if missing)
-# Do not run it while `python -m export data` writes to drafters/smollm2-135m-data.
+# Do not run it while `python -m export data` writes to drafters/smollm2-135m-data or -openers.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -59,4 +59,9 @@ step runs/answers-data-full5.npz 27135 pack 27135 runs/answers-data-full5.npz
 step runs/answers-all7.npz 52964 merge runs/answers-all7.npz runs/answers-all6.npz runs/answers-data-full5.npz
 step runs/answers-data-full6.npz 30463 pack 30463 runs/answers-data-full6.npz
 step runs/answers-all8.npz 56289 merge runs/answers-all8.npz runs/answers-all7.npz runs/answers-data-full6.npz
-echo "[campaign] runs/answers-all8.npz: 56,289 answers; a next run merges the data folder's newer answers after it" >&2
+step runs/answers-data-full7.npz 31487 pack 31487 runs/answers-data-full7.npz
+step runs/answers-openers.npz 1792 "$py" -m export data --target "$engine" --work drafters/smollm2-135m-openers \
+  --prompts 0 --copy-prompts 0 --openers --answers 1 --pack-first 1792 --output runs/answers-openers.npz
+step runs/answers-all9.npz 59100 merge runs/answers-all9.npz runs/answers-all8.npz runs/answers-data-full7.npz \
+  runs/answers-openers.npz
+echo "[campaign] runs/answers-all9.npz: 59,100 answers; a next run merges both folders' newer answers after it" >&2
