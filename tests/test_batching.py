@@ -17,12 +17,16 @@ PROMPTS = ["the cat sat on", "one two three four", "hello there friend", "a b c 
 
 
 def _run_all(slots, jobs, timeout=120):
-    """Run ``jobs`` (slot index, prompt, kwargs) at once, one thread each; their token ids."""
+    """Run ``jobs`` (slot index, prompt, kwargs) at once, one thread each; their token ids. The
+    threads start their generations together (a barrier): on a loaded machine a thread started
+    late could otherwise find the others' short generations over, and no pass would be shared."""
     got: dict[int, tuple] = {}
     errors: list[BaseException] = []
+    start = threading.Barrier(len(jobs))
 
     def go(n, slot, prompt, kw):
         try:
+            start.wait(timeout)
             got[n] = slots[slot].generate(prompt, **kw).token_ids
         except BaseException as exc:  # reported by the test thread
             errors.append(exc)
