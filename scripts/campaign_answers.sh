@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The drafter campaign's joined answers file, rebuilt from the folders committed under drafters/
-# (drafters/README.md records each step as it was first made): runs/answers-all9.npz, 59,100
+# (drafters/README.md records each step as it was first made): runs/answers-all10.npz, 67,800
 # answers whose indices every campaign run's --data-from and held-out draw refer to. A fresh
 # machine needs it before the next run; each step's file is kept in runs/ and reused when present.
 #   bash scripts/campaign_answers.sh [ENGINE]     (default engines/smollm2-135m; exported if missing)
@@ -64,4 +64,7 @@ step runs/answers-openers.npz 1792 "$py" -m export data --target "$engine" --wor
   --prompts 0 --copy-prompts 0 --openers --answers 1 --pack-first 1792 --output runs/answers-openers.npz
 step runs/answers-all9.npz 59100 merge runs/answers-all9.npz runs/answers-all8.npz runs/answers-data-full7.npz \
   runs/answers-openers.npz
-echo "[campaign] runs/answers-all9.npz: 59,100 answers; a next run merges both folders' newer answers after it" >&2
+step runs/answers-openers2.npz 10495 "$py" -m export data --target "$engine" --work drafters/smollm2-135m-openers \
+  --prompts 0 --copy-prompts 0 --openers --answers 1 --pack-first 10495 --output runs/answers-openers2.npz
+step runs/answers-all10.npz 67800 merge runs/answers-all10.npz runs/answers-all9.npz runs/answers-openers2.npz
+echo "[campaign] runs/answers-all10.npz: 67,800 answers; a next run merges both folders' newer answers after it" >&2
