@@ -36,6 +36,11 @@ pack() {  # pack N OUTPUT: the data folder's first N answers
   "$py" -m export data --target "$engine" --work "$data" --answers 1 --pack-first "$1" --output "$2"
 }
 
+pack_openers() {  # pack_openers N OUTPUT: the openers folder's first N answers (needs the options it was made with)
+  "$py" -m export data --target "$engine" --work drafters/smollm2-135m-openers --prompts 0 --copy-prompts 0 \
+    --openers --answers 1 --pack-first "$1" --output "$2"
+}
+
 merge() {  # merge OUTPUT FILE...: later files' answers whose prompts an earlier one has are dropped
   local out=$1
   shift
@@ -60,11 +65,9 @@ step runs/answers-all7.npz 52964 merge runs/answers-all7.npz runs/answers-all6.n
 step runs/answers-data-full6.npz 30463 pack 30463 runs/answers-data-full6.npz
 step runs/answers-all8.npz 56289 merge runs/answers-all8.npz runs/answers-all7.npz runs/answers-data-full6.npz
 step runs/answers-data-full7.npz 31487 pack 31487 runs/answers-data-full7.npz
-step runs/answers-openers.npz 1792 "$py" -m export data --target "$engine" --work drafters/smollm2-135m-openers \
-  --prompts 0 --copy-prompts 0 --openers --answers 1 --pack-first 1792 --output runs/answers-openers.npz
+step runs/answers-openers.npz 1792 pack_openers 1792 runs/answers-openers.npz
 step runs/answers-all9.npz 59100 merge runs/answers-all9.npz runs/answers-all8.npz runs/answers-data-full7.npz \
   runs/answers-openers.npz
-step runs/answers-openers2.npz 10495 "$py" -m export data --target "$engine" --work drafters/smollm2-135m-openers \
-  --prompts 0 --copy-prompts 0 --openers --answers 1 --pack-first 10495 --output runs/answers-openers2.npz
+step runs/answers-openers2.npz 10495 pack_openers 10495 runs/answers-openers2.npz
 step runs/answers-all10.npz 67800 merge runs/answers-all10.npz runs/answers-all9.npz runs/answers-openers2.npz
 echo "[campaign] runs/answers-all10.npz: 67,800 answers; a next run merges both folders' newer answers after it" >&2
