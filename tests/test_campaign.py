@@ -82,6 +82,7 @@ def test_training_on_recorded_answers_and_a_campaign_curve(tiny_engine, tiny_hf,
     first, msgs = _train(tiny_engine, tiny_hf, small, tmp_path / "w1", tmp_path / "d1")
     assert any("features for the 10 answers" in m for m in msgs)
     assert not any("target answers" in m for m in msgs)  # nothing was generated
+    assert any("held-out answers in" in m for m in msgs) and any("fitting the confidence" in m for m in msgs)
     meta = json.loads((first / "drafter.json").read_text())
     assert meta["training"]["sequences"] == 10 and "a10.npz" in meta["training"]["data"]
     curve = _curve(first)

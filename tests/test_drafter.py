@@ -164,6 +164,20 @@ def test_every_position_rounds_line_up_with_the_answer_positions():
     assert validate_runtime(model, data, [0, 2], CFG.slots) == runtime_walk(per, CFG.slots)
 
 
+def test_held_out_walk_reports_progress_and_the_same_rounds():
+    """The calibration stage's walk tells a progress callback how far it is (count, rate, time
+    left) and says when it is done; reporting changes none of the rounds it returns."""
+    from dspark_export.drafter.train import held_out_rounds
+
+    model, data = _model(), _data(n=3)
+    lines: list[str] = []
+    quiet = held_out_rounds(model, data, [0, 1, 2], CFG.slots, anchors=None)
+    told = held_out_rounds(model, data, [0, 1, 2], CFG.slots, anchors=None, progress=lines.append, every_s=0.0)
+    assert all(np.array_equal(a, b) for a, b in zip(quiet, told))
+    assert [line.split(" ")[0] for line in lines] == ["1/3", "2/3", "3/3"]
+    assert "ETA" in lines[0] and lines[-1].startswith("3/3 held-out answers in ")
+
+
 def test_short_blocks_mask_their_extra_slots():
     model, data = _model(), _data()
     rng = np.random.default_rng(0)

@@ -402,12 +402,14 @@ def train_drafter(opts: TrainDrafterOptions, progress=print) -> Path:
                    answers=answers)
     progress("[4/4] calibrating the confidence head on held-out rounds")
     per_sequence: list = []
-    accepted, z, _ = held_out_rounds(model, data, val_ids, cfg.slots, anchors=None, per_sequence=per_sequence)
+    accepted, z, _ = held_out_rounds(model, data, val_ids, cfg.slots, anchors=None, per_sequence=per_sequence,
+                                      progress=lambda s: progress("      " + s))
     runtime = runtime_walk(per_sequence, cfg.slots)
     progress(f"      held-out τ where decoding meets it (rounds from each answer's start, each after the last "
              f"accepted draft; {runtime['rounds']} rounds of {cfg.slots} drafts): {runtime['tau']:.2f}, first draft "
              f"{runtime['reach'][0]:.0%} (uniform anchors: {result['history'][-1]['tau']:.2f})")
     half = np.random.default_rng(opts.seed).permutation(accepted.size) < accepted.size // 2
+    progress(f"      fitting the confidence temperatures on {int(half.sum())} of {accepted.size} held-out blocks")
     temps, biases = calibrate.fit_calibration(z[half], accepted[half])
     rep = calibrate.report(z[~half], accepted[~half], temps, biases)
     rep["fit_blocks"] = int(half.sum())

@@ -282,17 +282,27 @@ def validation_anchors(data: Sequences, seq_ids, anchors: int, seed: int = 1) ->
 
 
 def held_out_rounds(model: DSparkDraft, data: Sequences, val_ids, slots: int, anchors: int | None = 24,
-                    seed: int = 1, per_sequence: list | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    seed: int = 1, per_sequence: list | None = None, progress=None,
+                    every_s: float = 60.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``greedy_rounds`` over held-out sequences at fixed anchors (``anchors=None``: every
     answer position). Concatenated (accepted, z, valid slots) of the used blocks. With
     ``anchors=None``, ``per_sequence`` (a list) receives for each sequence the accepted drafts
     at each answer position in order, 0 at an unused block (its target token lies outside the
-    draft vocabulary, so no draft matches it): what ``runtime_walk`` reads."""
+    draft vocabulary, so no draft matches it): what ``runtime_walk`` reads. ``progress`` (a
+    callable taking a line) hears the count done, the rate and the time left at most once every
+    ``every_s`` seconds, and once at the end; the walk over every position of thousands of
+    answers takes many minutes."""
     model.eval()
     rng = np.random.default_rng(seed)
     to_draft = model.to_draft.numpy()
     parts = []
-    for i in val_ids:
+    t0 = last = time.monotonic()
+    for done, i in enumerate(val_ids):
+        if progress is not None and done and time.monotonic() - last >= every_s:
+            last = time.monotonic()
+            per = (last - t0) / done
+            progress(f"{done}/{len(val_ids)} held-out answers ({per * 1000:.0f} ms each, "
+                     f"ETA {per * (len(val_ids) - done) / 60:.1f} min)")
         a, b = data.span(int(i))
         cand = np.arange(int(data.prompt_lens[int(i)]), b - a - 1)
         if anchors is not None and cand.size > anchors:
@@ -306,6 +316,8 @@ def held_out_rounds(model: DSparkDraft, data: Sequences, val_ids, slots: int, an
             parts.append((acc, z, n_valid))
         if per_sequence is not None and anchors is None:
             per_sequence.append(full)
+    if progress is not None:
+        progress(f"{len(val_ids)}/{len(val_ids)} held-out answers in {(time.monotonic() - t0) / 60:.1f} min")
     model.train()
     return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
 
