@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The drafter campaign's joined answers file, rebuilt from the folders committed under drafters/
-# (drafters/README.md records each step as it was first made): runs/answers-all10.npz, 67,800
+# (drafters/README.md records each step as it was first made): runs/answers-all11.npz, 71,383
 # answers whose indices every campaign run's --data-from and held-out draw refer to. A fresh
 # machine needs it before the next run; each step's file is kept in runs/ and reused when present.
 #   bash scripts/campaign_answers.sh [ENGINE]     (default engines/smollm2-135m; exported if missing)
@@ -70,4 +70,6 @@ step runs/answers-all9.npz 59100 merge runs/answers-all9.npz runs/answers-all8.n
   runs/answers-openers.npz
 step runs/answers-openers2.npz 10495 pack_openers 10495 runs/answers-openers2.npz
 step runs/answers-all10.npz 67800 merge runs/answers-all10.npz runs/answers-all9.npz runs/answers-openers2.npz
-echo "[campaign] runs/answers-all10.npz: 67,800 answers; a next run merges both folders' newer answers after it" >&2
+step runs/answers-openers3.npz 14079 pack_openers 14079 runs/answers-openers3.npz
+step runs/answers-all11.npz 71383 merge runs/answers-all11.npz runs/answers-all10.npz runs/answers-openers3.npz
+echo "[campaign] runs/answers-all11.npz: 71,383 answers; a next run merges both folders' newer answers after it" >&2
