@@ -178,6 +178,41 @@ def test_held_out_walk_reports_progress_and_the_same_rounds():
     assert "ETA" in lines[0] and lines[-1].startswith("3/3 held-out answers in ")
 
 
+def test_held_out_walk_batches_answers_without_changing_the_rounds():
+    """Several answers' chunks in one drafter call (``rows``) give the rounds one chunk a call
+    gives, in the same order: answers of different lengths (one over two 64-anchor chunks, one
+    with no answer position at all), every position and fixed anchors alike."""
+    from dspark_export.drafter.train import held_out_rounds
+
+    model = _model()
+    rng = np.random.default_rng(3)
+    lengths = [40, 150, 6, 23, 97]  # prompt 5 each: 34, 144, 0, 17, 91 answer positions
+    t = sum(lengths)
+    data = Sequences(tokens=rng.integers(0, V, t).astype(np.int32),
+                     offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                     prompt_lens=np.full(len(lengths), 5, np.int32),
+                     aux=rng.standard_normal((t, CFG.feature_dim)).astype(np.float16),
+                     top_ids=rng.integers(0, V, (t, 4)).astype(np.int32),
+                     top_logp=np.log(np.full((t, 4), 0.2)).astype(np.float16))
+    ids = [1, 0, 2, 4, 3]
+    for anchors in (None, 24):
+        walks = []
+        for rows in (1, 3, 8):
+            per: list = []
+            out = held_out_rounds(model, data, ids, CFG.slots, anchors=anchors, per_sequence=per, rows=rows)
+            walks.append((out, per))
+        (acc, z, n_valid), per = walks[0]
+        assert acc.size > 0
+        for (acc_b, z_b, n_valid_b), per_b in walks[1:]:
+            assert np.array_equal(acc_b, acc) and np.array_equal(n_valid_b, n_valid)
+            assert np.allclose(z_b, z, atol=1e-4)
+            assert len(per_b) == len(per) and all(np.array_equal(p, q) for p, q in zip(per, per_b))
+        if anchors is None:
+            assert [p.size for p in per] == [144, 34, 0, 91, 17]
+    with pytest.raises(ValueError, match="rows"):
+        held_out_rounds(model, data, ids, CFG.slots, rows=0)
+
+
 def test_short_blocks_mask_their_extra_slots():
     model, data = _model(), _data()
     rng = np.random.default_rng(0)

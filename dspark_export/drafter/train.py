@@ -283,7 +283,7 @@ def validation_anchors(data: Sequences, seq_ids, anchors: int, seed: int = 1) ->
 
 def held_out_rounds(model: DSparkDraft, data: Sequences, val_ids, slots: int, anchors: int | None = 24,
                     seed: int = 1, per_sequence: list | None = None, progress=None,
-                    every_s: float = 60.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    every_s: float = 60.0, rows: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``greedy_rounds`` over held-out sequences at fixed anchors (``anchors=None``: every
     answer position). Concatenated (accepted, z, valid slots) of the used blocks. With
     ``anchors=None``, ``per_sequence`` (a list) receives for each sequence the accepted drafts
@@ -291,11 +291,34 @@ def held_out_rounds(model: DSparkDraft, data: Sequences, val_ids, slots: int, an
     draft vocabulary, so no draft matches it): what ``runtime_walk`` reads. ``progress`` (a
     callable taking a line) hears the count done, the rate and the time left at most once every
     ``every_s`` seconds, and once at the end; the walk over every position of thousands of
-    answers takes many minutes."""
+    answers takes many minutes.
+
+    The blocks go through the drafter ``rows`` chunks of at most 64 anchors at a time, one chunk
+    a row of the batch (one answer's chunks, or several answers'), in the order one chunk at a
+    time would take them: a block's drafts depend only on its own answer (the attention mask
+    keeps each row to its answer's positions), so batching changes what one call computes, not
+    the rounds or their order."""
+    if rows < 1:
+        raise ValueError(f"rows must be at least 1, got {rows}")
     model.eval()
     rng = np.random.default_rng(seed)
     to_draft = model.to_draft.numpy()
     parts = []
+    pending: list = []  # (answer's place in val_ids, first anchor's index, anchors, answer id)
+    fulls: list[np.ndarray] = []
+
+    def flush():
+        width = max(chunk.size for _, _, chunk, _ in pending)
+        batch = make_batch(data, [i for *_, i in pending], width, slots, to_draft, rng,
+                           fixed_anchors=[chunk for _, _, chunk, _ in pending])
+        acc, z, n_valid, used = greedy_rounds(model, batch, width, slots)
+        used = used.reshape(len(pending), width)
+        ends = np.cumsum(used.sum(1))
+        for r, (k, c0, _, _) in enumerate(pending):
+            fulls[k][c0 + np.flatnonzero(used[r])] = acc[ends[r] - used[r].sum():ends[r]]
+        parts.append((acc, z, n_valid))
+        pending.clear()
+
     t0 = last = time.monotonic()
     for done, i in enumerate(val_ids):
         if progress is not None and done and time.monotonic() - last >= every_s:
@@ -307,18 +330,20 @@ def held_out_rounds(model: DSparkDraft, data: Sequences, val_ids, slots: int, an
         cand = np.arange(int(data.prompt_lens[int(i)]), b - a - 1)
         if anchors is not None and cand.size > anchors:
             cand = np.sort(rng.choice(cand, size=anchors, replace=False))
-        full = np.zeros(cand.size, dtype=np.int64)
+        fulls.append(np.zeros(cand.size, dtype=np.int64))
         for c0 in range(0, cand.size, 64):
-            chunk = cand[c0:c0 + 64]
-            batch = make_batch(data, [i], chunk.size, slots, to_draft, rng, fixed_anchors=[chunk])
-            acc, z, n_valid, used = greedy_rounds(model, batch, chunk.size, slots)
-            full[c0 + np.flatnonzero(used)] = acc
-            parts.append((acc, z, n_valid))
-        if per_sequence is not None and anchors is None:
-            per_sequence.append(full)
+            pending.append((done, c0, cand[c0:c0 + 64], i))
+            if len(pending) == rows:
+                flush()
+    if pending:
+        flush()
+    if per_sequence is not None and anchors is None:
+        per_sequence.extend(fulls)
     if progress is not None:
         progress(f"{len(val_ids)}/{len(val_ids)} held-out answers in {(time.monotonic() - t0) / 60:.1f} min")
     model.train()
+    if not parts:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, slots), dtype=np.float32), np.zeros(0, dtype=np.int64)
     return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
 
 
