@@ -127,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default: %(default)s)")
     tr.add_argument("--markov-rank", type=int, default=128, help="Markov head rank (default: %(default)s)")
     tr.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: %(default)s)")
-    tr.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default: %(default)s)")
+    tr.add_argument("--lr", type=float, default=None,
+                    help="peak learning rate (default: 6e-4 for a new drafter, 2e-4 with --init-from, where the "
+                         "new drafter's peak first unlearns part of what the run starts from)")
     tr.add_argument("--mask-token-id", type=int, default=None,
                     help="the token whose embedding row carries the mask slot in the DeepSpec checkpoint written "
                          "to OUTPUT/deepspec (default: the highest special token outside the chat template)")

@@ -165,6 +165,24 @@ def test_data_and_answers_together_are_refused(tiny_engine, tmp_path):
                             data=tmp_path / "a.npz", answers=tmp_path / "b.npz")
 
 
+def test_a_continuing_run_peaks_lower_unless_told(tiny_engine, tmp_path):
+    """A new drafter peaks at NEW_LR, a run from a trained one (--init-from) at the lower
+    CONTINUE_LR; --lr wins over both, and a learning rate of 0 or less is refused with the fix."""
+    from dspark_export.__main__ import build_parser
+    from dspark_export.drafter.build import CONTINUE_LR, NEW_LR, TrainDrafterOptions
+
+    assert CONTINUE_LR < NEW_LR
+    base = {"target_engine": tiny_engine, "output": tmp_path / "o", "work": tmp_path / "w"}
+    assert TrainDrafterOptions(**base).lr == NEW_LR
+    assert TrainDrafterOptions(**base, init_from=tmp_path / "d").lr == CONTINUE_LR
+    assert TrainDrafterOptions(**base, init_from=tmp_path / "d", lr=5e-4).lr == 5e-4
+    for bad in (0.0, -1e-4):
+        with pytest.raises(ExportError, match="--lr must be above 0"):
+            TrainDrafterOptions(**base, lr=bad)
+    args = build_parser().parse_args(["train-drafter", "--target", "e", "--output", "o"])
+    assert args.lr is None  # left to the options, which know whether the run continues a drafter
+
+
 def test_a_damaged_learning_curve_is_refused_with_the_fix(tmp_path):
     from dspark_export.drafter.build import write_learning_curve
 

@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 
 WEIGHTS = "weights.npz"
 CONFIG = "drafter.json"
+# Peak learning rates. A run that continues a trained drafter (``init_from``) on new answers
+# peaks lower: at the new drafter's peak its first steps unlearn part of what it starts from and
+# the run ends barely above its start (docs/performance.md, "A lower peak for continuing runs").
+NEW_LR = 6e-4
+CONTINUE_LR = 2e-4
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class TrainDrafterOptions:
     steps: int = 1500
     seqs_per_step: int = 8
     anchors: int = 40
-    lr: float = 6e-4
+    lr: float | None = None  # peak learning rate; None: NEW_LR, or CONTINUE_LR with init_from
     seed: int = 0
     mask_token_id: int | None = None  # the DeepSpec checkpoint's mask token; None: default_mask_token
     bf16: bool = False  # train under bfloat16 autocast (bench/train_bf16.py measures what it buys)
@@ -59,6 +64,10 @@ class TrainDrafterOptions:
     reuse_features: tuple[Path, ...] = ()  # earlier work folders whose feature shards this run may take (Donors)
 
     def __post_init__(self) -> None:
+        if self.lr is None:
+            object.__setattr__(self, "lr", NEW_LR if self.init_from is None else CONTINUE_LR)
+        if not self.lr > 0:
+            raise ExportError(f"--lr must be above 0, got {self.lr}")
         for name in ("prompts", "max_new_tokens", "layers", "slots", "draft_vocab", "markov_rank", "steps",
                      "seqs_per_step", "anchors"):
             if getattr(self, name) < 1:
