@@ -167,7 +167,7 @@ def test_data_and_answers_together_are_refused(tiny_engine, tmp_path):
 
 def test_a_continuing_run_peaks_lower_unless_told(tiny_engine, tmp_path):
     """A new drafter peaks at NEW_LR, a run from a trained one (--init-from) at the lower
-    CONTINUE_LR; --lr wins over both, and a learning rate of 0 or less is refused with the fix."""
+    CONTINUE_LR; --lr wins over both (0 included), and a negative one is refused with the fix."""
     from dspark_export.__main__ import build_parser
     from dspark_export.drafter.build import CONTINUE_LR, NEW_LR, TrainDrafterOptions
 
@@ -176,8 +176,9 @@ def test_a_continuing_run_peaks_lower_unless_told(tiny_engine, tmp_path):
     assert TrainDrafterOptions(**base).lr == NEW_LR
     assert TrainDrafterOptions(**base, init_from=tmp_path / "d").lr == CONTINUE_LR
     assert TrainDrafterOptions(**base, init_from=tmp_path / "d", lr=5e-4).lr == 5e-4
-    for bad in (0.0, -1e-4):
-        with pytest.raises(ExportError, match="--lr must be above 0"):
+    assert TrainDrafterOptions(**base, init_from=tmp_path / "d", lr=0.0).lr == 0.0  # given, not defaulted
+    for bad in (-1e-4, float("nan")):
+        with pytest.raises(ExportError, match="--lr must be 0 or more"):
             TrainDrafterOptions(**base, lr=bad)
     args = build_parser().parse_args(["train-drafter", "--target", "e", "--output", "o"])
     assert args.lr is None  # left to the options, which know whether the run continues a drafter

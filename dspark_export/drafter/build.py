@@ -66,8 +66,8 @@ class TrainDrafterOptions:
     def __post_init__(self) -> None:
         if self.lr is None:
             object.__setattr__(self, "lr", NEW_LR if self.init_from is None else CONTINUE_LR)
-        if not self.lr > 0:
-            raise ExportError(f"--lr must be above 0, got {self.lr}")
+        if not self.lr >= 0:  # 0 trains nothing: a run that only re-validates and re-exports its start
+            raise ExportError(f"--lr must be 0 or more, got {self.lr}")
         for name in ("prompts", "max_new_tokens", "layers", "slots", "draft_vocab", "markov_rank", "steps",
                      "seqs_per_step", "anchors"):
             if getattr(self, name) < 1:
