@@ -32,12 +32,14 @@ def _model(seed: int = 0) -> DSparkDraft:
     return m.eval()
 
 
-def _data(n: int = 3, length: int = 40, seed: int = 0) -> Sequences:
+def _data(n: int = 3, length: int = 40, seed: int = 0, lengths: list[int] | None = None) -> Sequences:
+    """``n`` random sequences of ``length`` tokens (or of ``lengths``), each with a 5-token prompt."""
     rng = np.random.default_rng(seed)
-    t = n * length
+    lengths = [length] * n if lengths is None else lengths
+    t = sum(lengths)
     return Sequences(tokens=rng.integers(0, V, t).astype(np.int32),
-                     offsets=np.arange(0, t + 1, length).astype(np.int64),
-                     prompt_lens=np.full(n, 5, np.int32),
+                     offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                     prompt_lens=np.full(len(lengths), 5, np.int32),
                      aux=rng.standard_normal((t, CFG.feature_dim)).astype(np.float16),
                      top_ids=rng.integers(0, V, (t, 4)).astype(np.int32),
                      top_logp=np.log(np.full((t, 4), 0.2)).astype(np.float16))
@@ -184,16 +186,8 @@ def test_held_out_walk_batches_answers_without_changing_the_rounds():
     with no answer position at all), every position and fixed anchors alike."""
     from dspark_export.drafter.train import held_out_rounds
 
-    model = _model()
-    rng = np.random.default_rng(3)
-    lengths = [40, 150, 6, 23, 97]  # prompt 5 each: 34, 144, 0, 17, 91 answer positions
-    t = sum(lengths)
-    data = Sequences(tokens=rng.integers(0, V, t).astype(np.int32),
-                     offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-                     prompt_lens=np.full(len(lengths), 5, np.int32),
-                     aux=rng.standard_normal((t, CFG.feature_dim)).astype(np.float16),
-                     top_ids=rng.integers(0, V, (t, 4)).astype(np.int32),
-                     top_logp=np.log(np.full((t, 4), 0.2)).astype(np.float16))
+    # prompt 5 each: 34, 144, 0, 17, 91 answer positions
+    model, data = _model(), _data(seed=3, lengths=[40, 150, 6, 23, 97])
     ids = [1, 0, 2, 4, 3]
     for anchors in (None, 24):
         walks = []

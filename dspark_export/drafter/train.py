@@ -313,9 +313,10 @@ def held_out_rounds(model: DSparkDraft, data: Sequences, val_ids, slots: int, an
                            fixed_anchors=[chunk for _, _, chunk, _ in pending])
         acc, z, n_valid, used = greedy_rounds(model, batch, width, slots)
         used = used.reshape(len(pending), width)
-        ends = np.cumsum(used.sum(1))
+        ends = np.cumsum(used.sum(1))  # acc holds each row's used blocks in turn
+        starts = np.concatenate([[0], ends[:-1]])
         for r, (k, c0, _, _) in enumerate(pending):
-            fulls[k][c0 + np.flatnonzero(used[r])] = acc[ends[r] - used[r].sum():ends[r]]
+            fulls[k][c0 + np.flatnonzero(used[r])] = acc[starts[r]:ends[r]]
         parts.append((acc, z, n_valid))
         pending.clear()
 
