@@ -13,7 +13,9 @@ decoding at a fixed block would start them, each right after the last accepted d
 
 A work folder of ``train-drafter --data FILE`` (an ``answers/`` folder): its held-out answers
 (``held_out.json``, the run's ``--data-from`` / ``--data-to``), reported in all and by answer
-kind (the kinds FILE records). An older work folder (``data/``): the held-out answers among the
+kind (the kinds FILE records); ``--trained`` adds the set ``trained``, the answers that run
+trained on: a drafter's τ there against its held-out τ (and the τ the drafter it started from
+had there) says how much of what a run learns is its own answers and how much carries over. An older work folder (``data/``): the held-out answers among the
 first ``--prompts`` training prompts; ``--copy`` adds the held-out copy-task answers apart.
 Prints JSON lines. Needs the work folder's feature shards.
 """
@@ -40,12 +42,12 @@ def main() -> int:
     ap.add_argument("--source", default="default", help="the target's source (embeddings, LM head)")
     ap.add_argument("--limit", type=int, default=None, metavar="N",
                     help="at most N answers a set, evenly spaced over it (default: all)")
+    ap.add_argument("--trained", action="store_true",
+                    help="a --data work folder: also the answers its run trained on (the set 'trained')")
     ap.add_argument("--sets", default=None, metavar="NAMES",
                     help="comma-separated sets to measure, e.g. all or magpie,task (default: every one)")
     args = ap.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")  # the source's loading bars: no carriage-return spam in logs
-
-    import numpy as np
 
     from dspark_edge.errors import ConfigError
     from dspark_export.drafter.build import load_drafter
@@ -56,7 +58,13 @@ def main() -> int:
         if not (w / "drafter.json").is_file():
             raise ConfigError(f"{w} is not a drafter folder (no drafter.json); train one with "
                               "`python -m export train-drafter`")
-    data, sets = campaign_sets(args.work) if (args.work / "answers").is_dir() else prompt_sets(args)
+    if (args.work / "answers").is_dir():
+        data, sets = campaign_sets(args.work, trained=args.trained)
+    elif args.trained:
+        raise ConfigError(f"--trained needs the work folder of a `train-drafter --data` run; {args.work} has no "
+                          "answers/ folder")
+    else:
+        data, sets = prompt_sets(args)
     if args.sets is not None:
         wanted = [x for x in args.sets.split(",") if x]
         unknown = [x for x in wanted if x not in sets]
@@ -66,8 +74,7 @@ def main() -> int:
     if args.limit is not None:
         if args.limit < 1:
             raise ConfigError(f"--limit must be at least 1, got {args.limit}")
-        sets = {k: v[np.linspace(0, v.size - 1, min(args.limit, v.size)).astype(int)] if v.size else v
-                for k, v in sets.items()}
+        sets = {k: evenly(v, args.limit) for k, v in sets.items()}
     target, _ = load_source(resolve_source(args.source))
     for w in args.weights:
         model, _ = load_drafter(w, target)
@@ -81,10 +88,20 @@ def main() -> int:
     return 0
 
 
-def campaign_sets(work: Path, with_text: bool = False):
+def evenly(ids, n: int):
+    """At most ``n`` of ``ids``, evenly spaced over them, first and last included (all when
+    there are no more than ``n``): a subset that samples every part of a set in file order."""
+    import numpy as np
+
+    ids = np.asarray(ids)
+    return ids[np.linspace(0, ids.size - 1, min(n, ids.size)).astype(int)] if ids.size else ids
+
+
+def campaign_sets(work: Path, with_text: bool = False, trained: bool = False):
     """The held-out answers of a ``train-drafter --data`` work folder, as the run loaded them
     (the answers it picked in file order), in all and by kind; ``with_text``: the folder's
-    package-text shards loaded after the answers (positions from the answers' count on)."""
+    package-text shards loaded after the answers (positions from the answers' count on);
+    ``trained``: also the set ``trained``, the run's training answers (text excluded)."""
     import numpy as np
 
     from dspark_edge.errors import ConfigError
@@ -114,6 +131,8 @@ def campaign_sets(work: Path, with_text: bool = False):
     pos = np.flatnonzero(np.isin(chosen, held))
     kinds = recorded.kinds[chosen[pos]]
     sets = {"all": pos} | {KINDS[k]: pos[kinds == k] for k in np.unique(kinds)}
+    if trained:
+        sets["trained"] = np.flatnonzero(~np.isin(chosen, held))
     return data, sets
 
 

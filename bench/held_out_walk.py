@@ -45,7 +45,7 @@ def main() -> int:
     from dspark_export.drafter.build import load_drafter
     from dspark_export.drafter.train import held_out_rounds
     from dspark_export.sources import load_source, resolve_source
-    from drafter_heldout import campaign_sets
+    from drafter_heldout import campaign_sets, evenly
 
     try:
         rows = [int(x) for x in args.rows.split(",") if x]
@@ -55,7 +55,7 @@ def main() -> int:
         raise ConfigError("--rows, --held-out and --repeats must be at least 1")
     data, sets = campaign_sets(args.work)
     held = sets["all"]
-    ids = held[np.linspace(0, held.size - 1, min(args.held_out, held.size)).astype(int)]
+    ids = evenly(held, args.held_out)
     target, _ = load_source(resolve_source(args.source))
     model, _ = load_drafter(args.weights, target)
     torch.set_grad_enabled(False)

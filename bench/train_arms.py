@@ -123,7 +123,7 @@ def main() -> int:
     from dspark_export.sources import load_source, resolve_source
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from drafter_heldout import campaign_sets
+    from drafter_heldout import campaign_sets, evenly
 
     if args.steps < 1 or args.held_out < 1:
         raise ConfigError("--steps and --held-out must be at least 1")
@@ -137,7 +137,7 @@ def main() -> int:
     n_answers = count_sequences(sorted((args.work / "answers").glob("shard-*.npz")))
     held = sets["all"]
     train_ids = np.concatenate([np.setdiff1d(np.arange(n_answers), held), np.arange(n_answers, len(data))])
-    val = held[np.linspace(0, held.size - 1, min(args.held_out, held.size)).astype(int)]
+    val = evenly(held, args.held_out)
     target, _ = load_source(resolve_source(args.source))
 
     def start_model():

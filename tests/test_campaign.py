@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,19 @@ def test_a_run_on_the_new_answers_only_keeps_the_held_out_set(tiny_engine, tiny_
     assert last["train_answers"] == len([i for i in range(10, 14) if i not in held])
     meta = json.loads((new / "drafter.json").read_text())
     assert "trained on those at 10–13" in json.dumps(meta, ensure_ascii=False)
+    # bench/drafter_heldout.py reads the run back: its held-out answers, and with trained=True the
+    # answers it trained on, as positions in the loaded shards (the chosen answers in file order).
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from drafter_heldout import campaign_sets
+
+    data, sets = campaign_sets(tmp_path / "wn", trained=True)
+    assert "trained" not in campaign_sets(tmp_path / "wn")[1]
+    assert [chosen[i] for i in sets["all"]] == sorted(held)
+    assert [chosen[i] for i in sets["trained"]] == [i for i in range(10, 14) if i not in held]
+    pairs = _pairs(tiny_engine, large)
+    for i in sets["trained"]:
+        lo, hi = data.span(int(i))
+        assert data.tokens[lo:hi].tolist() == sum(pairs[chosen[i]], [])
     for bad in (14, -1):
         with pytest.raises(ExportError, match="--data-from"):
             _train(tiny_engine, tiny_hf, large, tmp_path / "wb", tmp_path / "db", init_from=first, data_from=bad)
@@ -322,6 +336,17 @@ def test_a_run_can_grow_the_drafter_it_starts_from(tiny_engine, tiny_hf, recorde
         _train(tiny_engine, tiny_hf, large, tmp_path / "w2", tmp_path / "d3", steps=3, init_from=first)
     with pytest.raises(ExportError, match="without --init-from"):
         TrainDrafterOptions(target_engine=tiny_engine, output=tmp_path / "o", work=tmp_path / "w", add_layers=1)
+
+
+def test_an_even_subset_spans_the_set_in_order():
+    """bench/drafter_heldout.py's ``evenly``: the subset every held-out bench script validates on."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from drafter_heldout import evenly
+
+    ids = np.arange(100, 110)
+    assert evenly(ids, 3).tolist() == [100, 104, 109]
+    assert evenly(ids, 50).tolist() == ids.tolist() and evenly(ids, 1).tolist() == [100]
+    assert evenly(np.zeros(0, dtype=int), 4).size == 0
 
 
 def test_train_arms_parses_what_each_arm_sets_and_refuses_the_rest():
