@@ -279,6 +279,27 @@ def test_markov_top_k_adds_the_bias_to_the_largest_base_logits_only():
     assert not np.array_equal(drafts, full)  # with this bias, the narrow search proposes other drafts
 
 
+def test_the_largest_values_are_found_exactly_whatever_the_threshold_draws():
+    """``largest``: each row's k largest values, the set ``argpartition`` finds (equal values at
+    the k-th place aside), by a sampled threshold or, when too few values pass it, the whole row."""
+    from dspark_edge.drafters.dspark import largest
+
+    rng = np.random.default_rng(5)
+    for n, k in ((8192, 256), (32000, 64), (8192, 2000), (600, 256), (100, 5)):
+        u = rng.standard_normal((6, n)).astype(np.float32)
+        u[1] = np.exp(3 * u[1])  # a skewed row, as logits are
+        for r, idx in zip(u, largest(u, k)):
+            assert idx.size == k and set(idx.tolist()) == set(np.argpartition(r, -k)[-k:].tolist())
+    # every sampled position holds one of the largest values: few pass the threshold, the row is partitioned
+    row = rng.standard_normal(8192).astype(np.float32)
+    row[::4] += 100.0
+    assert set(largest(row[None], 256)[0].tolist()) == set(np.argpartition(row, -256)[-256:].tolist())
+    ties = np.zeros((2, 4096), np.float32)  # all equal: any k of them
+    ties[1, :10] = 1.0
+    for r, idx in zip(ties, largest(ties, 128)):
+        assert idx.size == 128 and np.array_equal(np.sort(r[idx]), np.sort(r)[-128:])
+
+
 def test_confidence_depends_on_the_previous_draft_only():
     model = _model()
     rng = np.random.default_rng(2)

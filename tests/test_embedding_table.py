@@ -192,7 +192,8 @@ def test_the_manifest_refuses_a_shared_head_without_a_table(tied, tmp_path):
         read_manifest(engine)
 
 
-def test_the_markov_tables_are_mapped_and_a_damaged_file_is_refused(tied, tmp_path):
+def test_the_markov_tables_are_mapped_and_a_damaged_file_is_refused(tied, tmp_path, monkeypatch):
+    from dspark_edge.drafters import dspark
     from dspark_edge.drafters.dspark import DSparkDrafter
     from dspark_edge.errors import EngineError
     from dspark_edge.manifest import file_entry, read_manifest
@@ -204,10 +205,17 @@ def test_the_markov_tables_are_mapped_and_a_damaged_file_is_refused(tied, tmp_pa
     full = DSparkDrafter(engine, m, "fp32", markov_top_k=None)
     narrow = DSparkDrafter(engine, m, "fp32", markov_top_k=8)
     assert _mapped(narrow.w1) and _mapped(narrow.embedding)
-    # with a top-k the rounds read W2's candidate rows in the mapping; biasing the whole draft
-    # vocabulary reads all of it, from a contiguous copy
-    assert np.may_share_memory(narrow.w2, narrow.w1) and not np.may_share_memory(full.w2, full.w1)
+    # W2 is an FP32 copy: whole for biasing the whole draft vocabulary, as W2ᵀ's contiguous rows
+    # (the candidates a slot gathers) with a top-k
+    assert not np.may_share_memory(narrow.w2, narrow.w1) and not np.may_share_memory(full.w2, full.w1)
+    assert full.w2.dtype == narrow.w2.dtype == np.float32
+    assert full.w2.flags.c_contiguous and narrow.w2.T.flags.c_contiguous
     assert np.array_equal(full.w2, narrow.w2)
+    # beyond the copy's cap, a top-k reads W2's candidate rows in the mapping, FP16 as stored
+    monkeypatch.setattr(dspark, "MARKOV_COPY_MAX_BYTES", narrow.w2.nbytes - 1)
+    mapped = DSparkDrafter(engine, m, "fp32", markov_top_k=8)
+    assert np.may_share_memory(mapped.w2, mapped.w1) and np.array_equal(mapped.w2.astype(np.float32), narrow.w2)
+    assert DSparkDrafter(engine, m, "fp32", markov_top_k=None).w2.flags.c_contiguous  # biasing whole: still copied
     markov = engine / m.drafter.markov
     good = np.load(markov)
     np.save(markov, good[:, : good.shape[1] // 2].copy())
