@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     ng.add_argument("--no-calibration", action="store_true",
                     help="with --work: skip fitting the drafter's confidence model (the drafter then estimates "
                          "its confidences online)")
+    ng.add_argument("--min-count", type=int, default=1, metavar="N",
+                    help="keep only the contexts seen at least N times (default: %(default)s, every one): a table "
+                         "counted from many answers gets several times smaller for little acceptance")
     ng.add_argument("-v", "--verbose", action="store_true", help="log details")
 
     an = sub.add_parser("answers", help="pack the target's recorded answers of a train-drafter work folder into "
@@ -348,16 +351,16 @@ def main(argv: list[str] | None = None) -> int:
             from .ngram_table import build_table, install_table
 
             if args.from_file is not None:
-                if args.output is not None or args.prompts is not None or args.no_calibration:
-                    raise ExportError("--output, --prompts and --no-calibration apply to building a table (--work "
-                                      "or --answers), not to --from")
+                if args.output is not None or args.prompts is not None or args.no_calibration or args.min_count != 1:
+                    raise ExportError("--output, --prompts, --no-calibration and --min-count apply to building a "
+                                      "table (--work or --answers), not to --from")
                 install_table(args.target, args.from_file, progress)
             else:
                 if args.answers is not None and args.prompts is not None:
                     raise ExportError("--prompts applies to --work (its first N training prompts); --answers counts "
                                       "every answer the file holds")
                 build_table(args.target, args.work, args.prompts, args.max_n, args.output, progress,
-                            calibrate=not args.no_calibration, answers=args.answers)
+                            calibrate=not args.no_calibration, answers=args.answers, min_count=args.min_count)
             return 0
         if args.command == "answers":
             from .answers import merge_answers, pack_answers

@@ -31,7 +31,9 @@ from .atomic import export_command, replacing_file
 
 def count_continuations(sequences, max_n: int) -> dict[int, dict[tuple[int, ...], Counter]]:
     """``sequences``: (token ids, index where the answer starts) pairs → for every context length
-    n ≤ ``max_n``, each n-token context followed by an answer token → Counter of those tokens."""
+    n ≤ ``max_n``, each n-token context followed by an answer token → Counter of those tokens.
+    With ``table_arrays``, the reference ``count_table`` is checked against (building a table
+    uses ``count_table``)."""
     counts: dict[int, dict[tuple[int, ...], Counter]] = {n: defaultdict(Counter) for n in range(1, max_n + 1)}
     for tokens, answer_start in sequences:
         t = [int(x) for x in tokens]
@@ -60,6 +62,62 @@ def table_arrays(counts: dict[int, dict[tuple[int, ...], Counter]]) -> dict[str,
         arrays[f"next_{n}"] = np.asarray([r[1] for r in rows], dtype=np.int32)
         arrays[f"share_{n}"] = np.asarray([r[2] for r in rows], dtype=np.float16)
         arrays[f"count_{n}"] = np.asarray([r[3] for r in rows], dtype=np.uint16)
+    return arrays
+
+
+_PRIME = 0x100000001B3  # context_key's multiplier
+_CHECK_PRIME = 0x9E3779B97F4A7C15  # a second, independent hash: two contexts behind one key differ in it
+
+
+def _hashes(tokens: np.ndarray, ends: np.ndarray, n: int, prime: int) -> np.ndarray:
+    """``context_key`` of the n tokens before each position in ``ends``, for all of them at
+    once (uint64 products wrap modulo 2^64, and the 63-bit mask then gives Python's result
+    modulo 2^63). Other ``prime``s give the collision check's hash."""
+    key = np.full(ends.size, n, dtype=np.uint64)
+    mul, mask = np.uint64(prime), np.uint64((1 << 63) - 1)
+    with np.errstate(over="ignore"):
+        for i in range(n):
+            key = (key * mul + tokens[ends - n + i].astype(np.uint64) + np.uint64(1)) & mask
+    return key
+
+
+def count_table(sequences, max_n: int, min_count: int = 1) -> dict[str, np.ndarray]:
+    """``table_arrays(count_continuations(sequences, max_n))``, counted with array operations
+    (tens of thousands of answers in seconds where the dictionaries take minutes), keeping only
+    the contexts seen at least ``min_count`` times (1: all). Equal to that reference
+    whenever ``min_count`` is 1 (a test compares them); like it, it refuses two contexts that
+    share a hash, found here by a second hash that differs within one key."""
+    lengths = np.asarray([len(t) for t, _ in sequences], dtype=np.int64)
+    tokens = (np.concatenate([np.asarray(t, dtype=np.int64) for t, _ in sequences]) if len(sequences)
+              else np.zeros(0, dtype=np.int64))
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(sequences) else lengths
+    answer = np.asarray([a for _, a in sequences], dtype=np.int64)
+    seq = np.repeat(np.arange(lengths.size), lengths)
+    local = np.arange(tokens.size) - starts[seq]
+    arrays: dict[str, np.ndarray] = {}
+    for n in range(1, max_n + 1):
+        ends = np.flatnonzero(local >= np.maximum(n, answer[seq]))  # positions j: context t[j-n:j], next t[j]
+        keys, nxt = _hashes(tokens, ends, n, _PRIME), tokens[ends]
+        order = np.lexsort((nxt, keys))
+        keys, nxt, check = keys[order], nxt[order], _hashes(tokens, ends[order], n, _CHECK_PRIME)
+        new_key = np.concatenate([[True], keys[1:] != keys[:-1]]) if keys.size else np.zeros(0, bool)
+        group = np.cumsum(new_key) - 1
+        if (check != check[np.flatnonzero(new_key)][group]).any():
+            raise ExportError(f"two {n}-token contexts share a hash; report this with the data used")
+        new_pair = new_key | np.concatenate([[True], nxt[1:] != nxt[:-1]]) if keys.size else new_key
+        first = np.flatnonzero(new_pair)  # each (context, next token) pair's first row
+        pair_count = np.diff(np.append(first, keys.size))
+        pair_key, pair_next, pair_group = keys[first], nxt[first], group[first]
+        total = np.bincount(pair_group, weights=pair_count, minlength=int(group[-1]) + 1 if keys.size else 0)
+        # the most frequent next token of each context; between equal counts, the smallest id
+        best = np.lexsort((pair_next, -pair_count, pair_group))
+        best = best[np.concatenate([[True], pair_group[best][1:] != pair_group[best][:-1]])] if best.size else best
+        kept = total[pair_group[best]] >= min_count
+        best = best[kept]
+        arrays[f"keys_{n}"] = pair_key[best].astype(np.int64)
+        arrays[f"next_{n}"] = pair_next[best].astype(np.int32)
+        arrays[f"share_{n}"] = (pair_count[best] / total[pair_group[best]]).astype(np.float16)
+        arrays[f"count_{n}"] = np.minimum(total[pair_group[best]], 65535).astype(np.uint16)
     return arrays
 
 
@@ -124,9 +182,10 @@ MIN_HELD_OUT = 4  # answers held out for the confidence model's fit, at least
 MIN_JUDGED = 200  # judged drafts they must give, at least
 
 
-def fit_calibration(sequences, max_n: int, hold_every: int = 8, progress=print) -> dict | None:
+def fit_calibration(sequences, max_n: int, hold_every: int = 8, progress=print, min_count: int = 1) -> dict | None:
     """The drafter's confidence model: a table counted from all answers but every
-    ``hold_every``-th, replayed on those held out (``calibration_rows``), a logistic fit. Its
+    ``hold_every``-th (keeping the contexts seen ``min_count`` times, as the table it calibrates
+    does), replayed on those held out (``calibration_rows``), a logistic fit. Its
     quality is reported by a two-fold fit on the held-out rows (fit on one half, scored on the
     other), against a constant at the mean acceptance. None (with a message) when the answers
     are too few to fit it."""
@@ -134,7 +193,7 @@ def fit_calibration(sequences, max_n: int, hold_every: int = 8, progress=print) 
 
     held = sequences[::hold_every]
     rest = [s for i, s in enumerate(sequences) if i % hold_every]
-    table = NgramTable.from_arrays(table_arrays(count_continuations(rest, max_n))) if rest else None
+    table = NgramTable.from_arrays(count_table(rest, max_n, min_count)) if rest else None
     x, y = calibration_rows(table, held) if table is not None else (np.zeros((0, 0)), np.zeros(0))
     if len(held) < MIN_HELD_OUT or y.size < MIN_JUDGED or y.min() == y.max():
         progress(f"    not calibrated: {len(sequences)} answers hold out {len(held)} (every {hold_every}th) with "
@@ -173,12 +232,14 @@ def _answer_sequences(work: Path, prompts: int | None):
 
 
 def build_table(target: Path, work: Path | None, prompts: int | None = None, max_n: int = 4, output: Path | None = None,
-                progress=print, calibrate: bool = True, answers: Path | None = None) -> Path:
+                progress=print, calibrate: bool = True, answers: Path | None = None, min_count: int = 1) -> Path:
     """Count the answers in ``work`` (or in the packed ``answers`` file) and write the table to
     ``output`` (default: the engine folder's ``ngram_table.npz``), with the drafter's confidence
-    calibration unless ``calibrate`` is false."""
+    calibration unless ``calibrate`` is false; only contexts seen ``min_count`` times or more."""
     if not 1 <= max_n <= 8:
         raise ExportError(f"--max-n must be in 1..8, got {max_n}")
+    if not 1 <= min_count <= 65535:
+        raise ExportError(f"--min-count must be in 1..65535 (the table counts to 65535), got {min_count}")
     if (work is None) == (answers is None):
         raise ExportError("count either a work folder (--work) or an answers file (--answers)")
     manifest = read_manifest(target)
@@ -196,17 +257,19 @@ def build_table(target: Path, work: Path | None, prompts: int | None = None, max
     else:
         seqs, n_answers, tokens, n_shards, n_copy = _answer_sequences(work, prompts)
         where = f"{n_shards} answer shard(s), {n_copy} copy-task shard(s)"
-    progress(f"[1/{steps}] counting continuations in {n_answers} answers ({tokens} answer tokens; {where})")
-    arrays = table_arrays(count_continuations(seqs, max_n))
+    kept = "" if min_count == 1 else f"; keeping contexts seen {min_count} times or more"
+    progress(f"[1/{steps}] counting continuations in {n_answers} answers ({tokens} answer tokens; {where}{kept})")
+    arrays = count_table(seqs, max_n, min_count)
     calibration = None
     if calibrate:
         progress(f"[2/{steps}] calibrating the drafter's confidences on held-out answers")
-        calibration = fit_calibration(seqs, max_n, progress=progress)
+        calibration = fit_calibration(seqs, max_n, progress=progress, min_count=min_count)
     tok_sha = manifest.file_entry(manifest.tokenizer.file).sha256
     entries = {n: int(arrays[f"keys_{n}"].size) for n in range(1, max_n + 1)}
     meta = {"format": FORMAT, "context_lengths": list(range(1, max_n + 1)), "entries": entries,
             "tokenizer_sha256": tok_sha, "source_sha256": manifest.model.source_sha256, "model": manifest.model.name,
             "answers": n_answers, "answer_tokens": tokens, "work": str(work if answers is None else answers),
+            "min_count": min_count,
             "calibration": calibration,
             "command": export_command()}
     with replacing_file(out) as tmp:

@@ -11,6 +11,7 @@ import pytest
 import dspark_edge
 from tiny_model import fake_answer_work
 from dspark_edge import ConfigError
+from dspark_edge.errors import ExportError
 from dspark_edge.drafters import DraftRequest, NgramDrafter, NgramTable
 from dspark_edge.drafters.ngram_table import FILE_NAME, context_key
 from dspark_edge.errors import EngineError
@@ -202,6 +203,9 @@ def test_cli_errors_name_the_fix(engine_copy, tmp_path, capsys):
     assert main(["ngram-table", "--target", str(engine_copy), "--from", str(tmp_path / "x.npz"),
                  "--output", str(tmp_path / "y.npz")]) == 2
     assert "--from" in capsys.readouterr().err
+    assert main(["ngram-table", "--target", str(engine_copy), "--from", str(tmp_path / "x.npz"),
+                 "--min-count", "2"]) == 2
+    assert "--min-count" in capsys.readouterr().err
     assert main(["ngram-table", "--target", str(engine_copy), "--from", str(tmp_path / "x.npz")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (engine_copy / FILE_NAME).exists()
@@ -249,6 +253,37 @@ def test_build_counts_the_first_answers_and_the_copy_tasks(engine_copy, tmp_path
     assert table.meta["answers"] == 3 and table.meta["answer_tokens"] == 2 + 2 + 3
     assert table.lookup([1])[0] == 2 and table.lookup([6]) is None  # the third answer (1 → 6 7) is left out
     assert table.lookup([9])[0] == 8
+    # --min-count 2: only contexts seen twice or more ("1" twice, "8" twice, "9 8" once: dropped)
+    out = build_table(engine_copy, work, prompts=2, output=tmp_path / "t2.npz", progress=lambda m: None, min_count=2)
+    table = NgramTable.load(out)
+    assert table.meta["min_count"] == 2 and table.lookup([1])[0] == 2 and table.lookup([8])[0] == 8
+    assert table.lookup([9]) is None
+    for bad in (0, 65536):
+        with pytest.raises(ExportError, match="--min-count"):
+            build_table(engine_copy, work, output=tmp_path / "t3.npz", progress=lambda m: None, min_count=bad)
+
+
+def test_the_array_count_equals_the_reference_count():
+    """``count_table`` (what building a table runs) gives the arrays of the dictionary count,
+    ties, empty and prompt-only answers, an answer start past the end and capped counts included;
+    with ``min_count`` it keeps exactly the contexts seen that often."""
+    from dspark_export.ngram_table import count_table
+
+    rng = np.random.default_rng(0)
+    seqs = [(rng.integers(0, 30, int(rng.integers(1, 60))).tolist(), int(rng.integers(0, 20))) for _ in range(300)]
+    seqs += [([1] * 70_000, 0), ([], 0), ([5], 0), ([1, 2, 3], 3), ([4, 7, 4, 8], 1)]  # 4 → 7 and 4 → 8: a tie
+    want = table_arrays(count_continuations(seqs, 4))
+    got = count_table(seqs, 4)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), k
+    assert count_table([], 2)["keys_2"].size == 0
+    pruned = count_table(seqs, 4, min_count=3)
+    assert 0 < sum(pruned[f"keys_{n}"].size for n in range(1, 5)) < sum(want[f"keys_{n}"].size for n in range(1, 5))
+    for n in range(1, 5):
+        keep = want[f"count_{n}"] >= 3
+        for k in ("keys", "next", "share", "count"):
+            assert np.array_equal(pruned[f"{k}_{n}"], want[f"{k}_{n}"][keep])
 
 
 def test_counts_are_capped_and_format_1_tables_still_load(tmp_path):
