@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -80,21 +81,28 @@ def test_table_drafts_keep_greedy_exact_and_are_accepted_more(engine):
     assert np.isfinite(with_table.drafter.table.shares[2]).all()
 
 
-ANSWERS = REPO / "drafters" / "smollm2-135m-answers.npz"
+CAMPAIGN_ANSWERS = REPO / "runs" / "answers-all11.npz"
 
 
-def test_shipped_table_is_counted_again_from_the_shipped_answers(default_engine, tmp_path):
-    from dspark_export.answers import load_answers
+def test_shipped_table_is_counted_again_from_the_campaign_answers(default_engine, tmp_path):
+    """The table is counted from the drafter campaign's 71,383 answers (``runs/answers-all11.npz``,
+    which ``scripts/campaign_answers.sh`` rebuilds from the answer folders committed under
+    drafters/, about six minutes where it is missing): counted again with the options its
+    metadata records, every array is the same, and so is its confidence model."""
     from dspark_export.ngram_table import build_table
 
     m = dspark_edge.read_manifest(default_engine)
-    answers = load_answers(ANSWERS, m, max_new_tokens=192)
-    assert ANSWERS.stat().st_size <= 2**20 and answers.meta["answers"] == {"prompt": 920, "copy": 512}
     shipped = NgramTable.load_for(TABLE, m)
-    assert shipped.meta["answers"] == len(answers) and "--answers" in shipped.meta["command"]
+    assert "--answers runs/answers-all11.npz" in shipped.meta["command"] and shipped.meta["answers"] == 71_383
+    assert f"--min-count {shipped.meta['min_count']}" in shipped.meta["command"]
+    if not CAMPAIGN_ANSWERS.is_file():
+        subprocess.run(["bash", str(REPO / "scripts" / "campaign_answers.sh"), str(default_engine)], cwd=REPO,
+                       check=True, timeout=3600)
     again = NgramTable.load(build_table(default_engine, None, output=tmp_path / "again.npz", progress=lambda s: None,
-                                        answers=ANSWERS))
+                                        answers=CAMPAIGN_ANSWERS, min_count=shipped.meta["min_count"]))
+    assert again.meta["answers"] == shipped.meta["answers"] and again.meta["answer_tokens"] == shipped.meta["answer_tokens"]
     for n in shipped.lengths:
         assert np.array_equal(again.keys[n], shipped.keys[n]) and np.array_equal(again.nexts[n], shipped.nexts[n])
         assert np.array_equal(again.shares[n], shipped.shares[n]) and np.array_equal(again.counts[n], shipped.counts[n])
-    assert again.calibration["weights"] == shipped.calibration["weights"]
+    # the fit's sums over 1.3 million judged drafts may round apart in the last bits on another CPU
+    assert np.allclose(again.calibration["weights"], shipped.calibration["weights"], atol=1e-4)
