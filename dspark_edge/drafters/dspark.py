@@ -103,8 +103,8 @@ def largest(u: np.ndarray, k: int) -> list[np.ndarray]:
     from every ``stride``-th value of the row (its q-th largest sample, q set so that about
     1.25 k values pass), then ``argpartition`` over the values at or above it only. Whenever
     fewer than ``k`` pass, the whole row is partitioned, so the set never depends on the draw.
-    (On a 2-core x86 CPU, for a row of 8,192 and k = 256: ~63 µs a row for ``argpartition``,
-    the sampled threshold about a third of that.)"""
+    The partition over a sample and a comparison replace a partition of the whole row: the
+    slot's largest cost in a round (docs/performance.md, "A DSpark round's sequential step")."""
     rows, n = u.shape
     stride = n // (8 * k)
     if stride < 2:
@@ -234,9 +234,9 @@ class DSparkDrafter(BaseDrafter):
         """(W1 [Vd + 1, r], W2 [r, Vd]). From ``markov.npy`` (memory-mapped, FP16 or FP32): W1's
         rows read in place (one row a slot). W2 is held as FP32 in memory: with a Markov top-k
         as the transpose of a contiguous W2ᵀ, whose candidate rows a slot gathers without
-        widening FP16 on every read (numpy widens FP16 element by element: on a 2-core x86 CPU
-        that was ~60 µs of a slot's ~150, the gather from FP32 ~7); biasing the whole draft
-        vocabulary, as W2 itself (the faster product there). A W2 whose FP32 copy would exceed
+        widening FP16 on every read (numpy widens FP16 element by element, which cost more than
+        the rest of the gather); biasing the whole draft vocabulary, as W2 itself (the faster
+        product there). A W2 whose FP32 copy would exceed
         ``MARKOV_COPY_MAX_BYTES`` stays in the mapping with a top-k (a round then reads and
         widens only its candidates' rows): memory wins over that speed for a very large table."""
         if info.markov is None:
