@@ -83,7 +83,7 @@ def _hashes(tokens: np.ndarray, ends: np.ndarray, n: int, prime: int) -> np.ndar
 
 def count_table(sequences, max_n: int, min_count: int = 1) -> dict[str, np.ndarray]:
     """``table_arrays(count_continuations(sequences, max_n))``, counted with array operations
-    (tens of thousands of answers in seconds where the dictionaries take minutes), keeping only
+    (a sort of every position's context hash instead of a Python object per context), keeping only
     the contexts seen at least ``min_count`` times (1: all). Equal to that reference
     whenever ``min_count`` is 1 (a test compares them); like it, it refuses two contexts that
     share a hash, found here by a second hash that differs within one key."""
