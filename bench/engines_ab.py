@@ -6,10 +6,11 @@ between the folders (an n-gram table, an installed drafter) change in speed?
 
 Plain decoding on the first folder is the baseline. Every prompt runs every mode (plain, and
 each drafter on each folder, with the scheduler), in a fresh random order at every prompt,
-greedy with EOS ignored, on one onnxruntime thread pool. Prints, per mode, the mean ratio of its
-decode speed to plain decoding's with a 95 % bootstrap interval over the prompts and how many
-answers equal plain decoding's (all must); per drafter, the second folder against the first
-(overall with its interval, the prompts where it is ahead, and by category). Ratios, not tok/s:
+greedy with EOS ignored, on one onnxruntime thread pool. Prints, per mode, its decode rate over
+plain decoding's with the 95 % interval over the prompts (``dspark_edge.bench.ratio_interval``,
+as `python -m dspark_edge bench` reports it) and how many answers equal plain decoding's (all
+must); per drafter, the second folder against the first (overall with its interval, the runs
+where it is ahead, and by category). Ratios, not tok/s:
 the machine changes between sessions.
 """
 
@@ -17,18 +18,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
-
-
-def bootstrap(x, rng, n: int = 2000) -> tuple[float, float]:
-    """The 95 % interval of the mean of ``x`` over resampled prompts."""
-    x = np.asarray(x, dtype=np.float64)
-    means = [x[rng.integers(0, x.size, x.size)].mean() for _ in range(n)]
-    lo, hi = np.percentile(means, [2.5, 97.5])
-    return float(lo), float(hi)
 
 
 def main() -> int:
@@ -43,7 +35,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import dspark_edge
-    from dspark_edge.bench import load_prompts
+    from dspark_edge.bench import load_prompts, ratio_interval
     from dspark_edge.errors import ConfigError
 
     if len(args.engine) != 2:
@@ -61,34 +53,34 @@ def main() -> int:
         pipe.generate("Hello", max_new_tokens=8)
     prompts = load_prompts()[: args.limit]
     rows: dict[str, list] = {m: [] for m in modes}
-    categories = []
     for p in range(args.passes):
         for i, rec in enumerate(prompts):
             order = list(modes)
             np.random.default_rng(1000 * p + i).shuffle(order)
             for m in order:
-                t0 = time.perf_counter()
                 r = modes[m].generate(rec.get("messages") or rec["prompt"], max_new_tokens=args.max_new_tokens,
                                       ignore_eos=True)
-                rows[m].append((r.stats.new_tokens / (time.perf_counter() - t0), list(r.token_ids)))
-            categories.append(rec["category"])
+                rows[m].append({"id": rec["id"], "category": rec["category"], "new_tokens": r.stats.new_tokens,
+                                "decode_s": r.stats.decode_s, "tokens_per_s": r.stats.tokens_per_s,
+                                "token_ids": list(r.token_ids)})
             print(f"[ab] pass {p + 1}/{args.passes}, prompt {i + 1}/{len(prompts)}: {rec['id']}", file=sys.stderr,
                   flush=True)
-    rng = np.random.default_rng(0)
     base = rows["plain"]
     print(f"A = {first}, B = {second}; {len(base)} answers of {args.max_new_tokens} tokens; plain median "
-          f"{np.median([b[0] for b in base]):.1f} tok/s")
+          f"{np.median([b['tokens_per_s'] for b in base]):.1f} tok/s")
     for m, got in rows.items():
-        ratio = [a[0] / b[0] for a, b in zip(got, base)]
-        lo, hi = bootstrap(ratio, rng)
-        same = sum(a[1] == b[1] for a, b in zip(got, base))
-        print(f"{m:24} {np.mean(ratio):.3f}x plain ({lo:.3f}-{hi:.3f}), {same}/{len(got)} answers equal to plain")
+        ci = ratio_interval(got, base)
+        same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(got, base))
+        print(f"{m:24} {ci['ratio']:.3f}x plain ({ci['ci95'][0]:.3f}-{ci['ci95'][1]:.3f}), "
+              f"{same}/{len(got)} answers equal to plain")
     for d in drafters:
-        ratio = np.asarray([b[0] / a[0] for a, b in zip(rows[f"{d} A"], rows[f"{d} B"])])
-        lo, hi = bootstrap(ratio, rng)
-        by = {c: float(ratio[[x == c for x in categories]].mean()) for c in sorted(set(categories))}
-        print(f"{d}: B / A {ratio.mean():.3f} ({lo:.3f}-{hi:.3f}), B ahead on {int((ratio > 1).sum())}/{ratio.size}; "
-              + ", ".join(f"{c} {v:.3f}" for c, v in by.items()))
+        a, b = rows[f"{d} A"], rows[f"{d} B"]
+        ci = ratio_interval(b, a)
+        ahead = sum(y["tokens_per_s"] > x["tokens_per_s"] for x, y in zip(a, b))
+        by = {c: ratio_interval([y for y in b if y["category"] == c], [x for x in a if x["category"] == c])["ratio"]
+              for c in sorted({x["category"] for x in a})}
+        print(f"{d}: B / A {ci['ratio']:.3f} ({ci['ci95'][0]:.3f}-{ci['ci95'][1]:.3f}), B ahead in {ahead}/{len(a)} "
+              "runs; " + ", ".join(f"{c} {v:.3f}" for c, v in by.items()))
     return 0
 
 
